@@ -1,0 +1,1 @@
+"""Subcommands of ``sgl-longgen``; each module has ``add_parser(subparsers)``."""

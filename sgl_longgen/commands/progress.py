@@ -1,0 +1,31 @@
+"""Progress bars for long generations: tokens done, tokens/s and tau."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+
+class TokenProgress:
+    """A tqdm bar fed by a decoder's progress callback ``(tokens_done, stats)``."""
+
+    def __init__(self, total: int, desc: str = "", disable: bool | None = None):
+        self._bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, disable=disable,
+                         dynamic_ncols=True, leave=False)
+        self._done = 0
+        self._t0 = time.perf_counter()
+
+    def update(self, done: int, stats) -> None:
+        self._bar.update(done - self._done)
+        self._done = done
+        if stats.steps:
+            tau = done / stats.steps
+            self._bar.set_postfix(tau=f"{tau:.2f}", refresh=False)
+
+    def __enter__(self) -> "TokenProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()

@@ -1,0 +1,167 @@
+"""Typed configuration, loadable from TOML.
+
+Every knob of the algorithms lives in one of these structs. They are strict: an unknown key or a
+value out of range is an error that names the offending field (``$.tokenswift.partial_kv.budget``),
+because a typo in a 100K-token job should fail in the first second, not after an hour.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from .errors import LonggenError
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class SamplingConfig(_Strict):
+    """The target distribution: what plain decoding would sample from.
+
+    ``temperature == 0`` means greedy: the argmax of the penalized logits. ``penalty`` is
+    TokenSwift's contextual penalty theta (1.0 disables it), applied to the distinct tokens among
+    the last ``penalty_window`` tokens of the context.
+    """
+
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    min_p: Prob = 0.0
+    eta: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.0
+    min_tokens_to_keep: PosInt = 1
+    penalty: Annotated[float, Meta(ge=1.0)] = 1.0
+    penalty_window: NonNegInt = 1024
+    # "sequential": each filter sees the renormalised output of the previous one (HF / TokenSwift).
+    # "joint": top-k, top-p and min-p all judge the same post-temperature distribution (SGLang).
+    filter_order: Literal["sequential", "joint"] = "sequential"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalty_active(self) -> bool:
+        return self.penalty > 1.0 and self.penalty_window > 0
+
+
+class NgramConfig(_Strict):
+    """Token reutilization: n-grams of the history proposed as extra draft paths."""
+
+    enabled: bool = True
+    n: Annotated[int, Meta(ge=2, le=16)] = 4
+    top_k: NonNegInt = 20
+    # Upstream TokenSwift never indexes n-grams inside the penalty window (their tokens are
+    # penalized, so they rarely verify). Only has an effect while the penalty is active.
+    exclude_penalty_window: bool = True
+
+
+class PartialKVConfig(_Strict):
+    """Dynamic partial KV cache for the draft forward (TokenSwift Eq. 2)."""
+
+    budget: PosInt = 4096
+    sinks: NonNegInt = 16
+    # "head": one index set per (layer, KV head), as in the paper. "shared": one set for every
+    # layer and head (scores summed), which an engine with one KV index list per request can use.
+    granularity: Literal["head", "shared"] = "head"
+
+    def __post_init__(self) -> None:
+        if self.sinks >= self.budget:
+            raise ValueError(f"sinks ({self.sinks}) must be smaller than budget ({self.budget})")
+
+
+class TokenSwiftConfig(_Strict):
+    """Multi-head self-drafting with n-gram reuse and a dynamic partial KV cache."""
+
+    tree: list[PosInt] = msgspec.field(default_factory=lambda: [1, 3, 3, 3])
+    ngram: NgramConfig = msgspec.field(default_factory=NgramConfig)
+    partial_kv: PartialKVConfig = msgspec.field(default_factory=PartialKVConfig)
+
+    def __post_init__(self) -> None:
+        if not self.tree:
+            raise ValueError("tree must list at least one depth")
+        if self.tree[0] != 1:
+            # Depth 1 comes from the base LM head; more than one candidate there would need the
+            # n-gram key to be ambiguous. Keep the upstream shape.
+            raise ValueError(f"tree[0] must be 1 (the base head's top-1), got {self.tree[0]}")
+
+    @property
+    def num_heads(self) -> int:
+        """Extra heads needed: depth 1 is the model's own LM head."""
+        return len(self.tree) - 1
+
+
+class RuntimeConfig(_Strict):
+    """The pure-PyTorch reference runtime."""
+
+    # float64 by default: the reference runtime is the losslessness oracle, and in float64 the
+    # 1-token decode and the T-token verify forward agree far below any logit gap.
+    dtype: Literal["float32", "float64", "bfloat16"] = "float64"
+    device: str = "cpu"
+    threads: NonNegInt = 0  # 0: leave torch's default
+
+
+class GenerateConfig(_Strict):
+    """Everything ``sgl-longgen generate`` needs besides the model and the prompt."""
+
+    method: Literal["ar", "tokenswift"] = "tokenswift"
+    max_new_tokens: PosInt = 2048
+    seed: int = 0
+    ignore_eos: bool = False
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    tokenswift: TokenSwiftConfig = msgspec.field(default_factory=TokenSwiftConfig)
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+
+
+def _error_for(exc: msgspec.ValidationError, source: str) -> LonggenError:
+    return LonggenError(f"invalid config {source}: {exc}")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise LonggenError(f"config file not found: {path}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise LonggenError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def convert(data: dict[str, Any], cls: type[msgspec.Struct], source: str = "") -> Any:
+    """Build a struct from plain data; errors name the field and the source."""
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        raise _error_for(exc, source or cls.__name__) from None
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: ``override`` wins, nested tables merge key by key."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def to_dict(struct: msgspec.Struct) -> dict[str, Any]:
+    return msgspec.to_builtins(struct)
+
+
+def load_generate_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> GenerateConfig:
+    """TOML file (optional) plus command-line overrides, validated as one struct."""
+    data: dict[str, Any] = load_toml(path) if path else {}
+    if overrides:
+        data = merge(data, overrides)
+    return convert(data, GenerateConfig, str(path) if path else "from the command line")

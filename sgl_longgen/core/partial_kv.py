@@ -1,0 +1,102 @@
+"""TokenSwift's dynamic partial KV cache (Eq. 2), as a policy over positions.
+
+The draft forward attends to at most ``budget`` committed positions instead of the whole context:
+
+* ``sinks`` first positions, always (attention sinks);
+* the positions ranked most important at the last selection, by the GQA-summed score
+  ``sum_{h in group(j)} q_h . k_{j,i}`` of one query (the paper's Eq. 2);
+* every position committed since that selection, which displace the least important selected
+  ones first ("tail insertion").
+
+Once the new positions would reach the sinks, a re-selection is due: until it happens the draft
+sees the sinks plus the most recent ``budget - sinks`` positions, and the runtime scores the
+whole context again with the next full forward that is reading it anyway (the verify pass).
+
+The policy only deals in positions; runtimes turn them into KV slots (gather indices, SGLang
+``kv_indices``). Selection is per (layer, KV head) in ``head`` granularity and one set for all in
+``shared`` granularity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import PartialKVConfig
+
+
+def gqa_importance(q: torch.Tensor, k: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Eq. 2: ``[Hq, D]`` query and ``[Hkv, n, D]`` keys -> ``[Hkv, n]`` scores.
+
+    Summing the group's queries first scores every key once per KV head, never per query head.
+    """
+    hkv = k.shape[0]
+    q_group = q.reshape(hkv, q.shape[0] // hkv, q.shape[-1]).sum(dim=1)
+    return torch.einsum("hd,hnd->hn", q_group.to(k.dtype), k) * scale
+
+
+class PartialKVPolicy:
+    def __init__(self, config: PartialKVConfig, num_layers: int, num_kv_heads: int):
+        self.budget = config.budget
+        self.sinks = config.sinks
+        self.granularity = config.granularity
+        self.groups = num_layers * num_kv_heads if config.granularity == "head" else 1
+        self.length = 0  # committed positions
+        self.sel_len = 0  # committed length at the last selection
+        self.selected = torch.empty(self.groups, 0, dtype=torch.long)  # ranked, most important first
+        self.pending: int | None = None  # committed length a due re-selection will score up to
+
+    @property
+    def capacity(self) -> int:
+        """Selected plus new positions the budget holds besides the sinks."""
+        return self.budget - self.sinks
+
+    def reset(self, length: int) -> None:
+        """A fresh context of ``length`` committed positions: the first selection is due."""
+        self.length = length
+        self.sel_len = 0
+        self.selected = torch.empty(self.groups, 0, dtype=torch.long)
+        self.pending = length
+
+    def score_range(self) -> tuple[int, int] | None:
+        """Positions ``[start, end)`` to score with the next full forward, if a selection is due."""
+        if self.pending is None:
+            return None
+        return min(self.sinks, self.pending), self.pending
+
+    def select(self, scores: torch.Tensor) -> None:
+        """Take a due selection. ``scores``: ``[layers, kv_heads, end - start]`` over score_range()."""
+        if self.pending is None:
+            raise RuntimeError("no selection is due")
+        start, end = self.score_range()
+        scores = scores.reshape(-1, scores.shape[-1])
+        if scores.shape[-1] != end - start:
+            raise ValueError(f"expected scores over {end - start} positions, got {scores.shape[-1]}")
+        if self.granularity == "shared":
+            # Raw q.k scales differ between layers; compare attention weights instead.
+            scores = torch.softmax(scores.double(), dim=-1).sum(dim=0, keepdim=True)
+        m = min(self.capacity, end - start)
+        top = scores.topk(m, dim=-1).indices if m else scores.new_empty(scores.shape[0], 0, dtype=torch.long)
+        self.selected = top.to(torch.long).cpu() + start
+        self.sel_len = end
+        self.pending = None
+
+    def commit(self, length: int) -> None:
+        """The committed context grew to ``length``; schedule a re-selection once it overflows."""
+        self.length = length
+        if self.pending is None and length - self.sel_len > self.capacity:
+            self.pending = length
+
+    def visible(self) -> torch.Tensor:
+        """``[groups, n]`` positions the draft token attends to besides itself (sorted per row)."""
+        L = self.length
+        sinks = torch.arange(min(self.sinks, L), dtype=torch.long)
+        if self.pending is not None:
+            lo = max(min(self.sinks, L), L - self.capacity)
+            rest = torch.arange(lo, L, dtype=torch.long)
+            row = torch.cat([sinks, rest])
+            return row.expand(self.groups, -1)
+        n_new = L - self.sel_len
+        keep = self.selected[:, : max(0, self.capacity - n_new)]
+        new = torch.arange(self.sel_len, L, dtype=torch.long).expand(self.groups, -1)
+        out = torch.cat([sinks.expand(self.groups, -1), keep, new], dim=1)
+        return out.sort(dim=1).values

@@ -1,0 +1,123 @@
+"""Lossless verification of drafts.
+
+Two rules, both exact samplers of the target distribution:
+
+* :func:`walk_tree` for deterministic drafts (top-k heads, n-grams, suffix matches, OWL's beam):
+  starting at the root, draw *one* token from the current node's processed target distribution;
+  if a child holds that token move there, otherwise emit it as the bonus and stop. Every emitted
+  token is an honest draw from the target conditional on what was emitted before, whatever the
+  tree held. (Drawing once per *path* and keeping the longest match, as upstream TokenSwift does,
+  gives the draft many chances per node and is biased toward it.)
+* :func:`verify_chain` for a chain drafted by *sampling* from a draft distribution q: the
+  standard rejection rule (accept x with probability min(1, p(x)/q(x)), else draw from the
+  normalised residual max(p - q, 0)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .penalty import window_tokens
+from .sampling import LogitsProcessor
+from .tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    """What one verification step commits."""
+
+    tokens: list[int]  # accepted draft tokens, then the bonus token
+    nodes: list[int]  # the root and the accepted draft nodes: their KV is kept
+    drawn: dict[int, int] = field(default_factory=dict)  # node -> token drawn there
+
+    @property
+    def accepted(self) -> int:
+        """Accepted draft tokens (the bonus excluded)."""
+        return len(self.nodes) - 1
+
+
+def walk_tree(tree: DraftTree, draw: Callable[[int], int]) -> Verdict:
+    """The per-node walk. ``draw(node)`` returns one token from that node's target distribution.
+
+    ``draw`` is called at most once per node and only on the walked path, so the processed
+    distribution (with its per-node penalty window) is computed for those nodes only.
+    """
+    node, nodes, tokens, drawn = 0, [0], [], {}
+    while True:
+        tok = int(draw(node))
+        drawn[node] = tok
+        tokens.append(tok)
+        nxt = tree.child(node, tok)
+        if nxt is None:
+            return Verdict(tokens, nodes, drawn)
+        nodes.append(nxt)
+        node = nxt
+
+
+def node_windows(tree: DraftTree, nodes: Sequence[int], history: Sequence[int], window: int) -> list[list[int]]:
+    """Penalty windows of the given nodes: the last ``window`` tokens of history + node path."""
+    return [window_tokens(history, tree.path_tokens(n), window) for n in nodes]
+
+
+def verify_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    processor: LogitsProcessor,
+    history: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Walk ``tree`` with target ``logits`` (``[len(tree), V]``, row i = after node i).
+
+    ``history`` is the committed context *including the root token*; each node's penalty window
+    extends it with the node's own path, exactly as plain decoding would see it.
+    """
+    window = processor.params.penalty_window if processor.params.penalty_active else 0
+
+    def draw(node: int) -> int:
+        windows = node_windows(tree, [node], history, window) if window else None
+        return int(processor.sample(logits[node : node + 1], windows, generator)[0])
+
+    return walk_tree(tree, draw)
+
+
+def verify_chain(
+    draft: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Rejection sampling of a sampled chain.
+
+    ``draft_probs[i]`` is the distribution ``draft[i]`` was drawn from (``None``: the draft is
+    deterministic, i.e. q is a point mass and the rule reduces to exact matching);
+    ``target_probs[i]`` is the processed target distribution after the root and ``draft[:i]``
+    (``len(draft) + 1`` rows, the last one for the bonus).
+    """
+    k = len(draft)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs needs {k + 1} rows, got {target_probs.shape[0]}")
+    tokens: list[int] = []
+    for i, x in enumerate(draft):
+        x = int(x)
+        p = target_probs[i].double()
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[x] = 1.0
+        else:
+            q = draft_probs[i].double()
+        ratio = p[x] / q[x] if q[x] > 0 else torch.tensor(0.0, dtype=p.dtype)
+        u = torch.rand((), dtype=torch.float64, generator=generator)
+        if u < torch.clamp(ratio, max=1.0):
+            tokens.append(x)
+            continue
+        residual = (p - q).clamp_min(0.0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p
+        tokens.append(int(torch.multinomial(dist, 1, generator=generator)))
+        return Verdict(tokens, list(range(i + 1)))
+    bonus = int(torch.multinomial(target_probs[k].double(), 1, generator=generator))
+    tokens.append(bonus)
+    return Verdict(tokens, list(range(k + 1)))

@@ -1,0 +1,202 @@
+"""The decode loop every method shares, and plain autoregressive decoding.
+
+A method only says how one step turns the root token (the last sampled one, not yet in the KV
+cache) into committed tokens; prefill, stopping, accounting and failure handling live here, so
+methods cannot differ in anything but the step.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..config import GenerateConfig
+from ..core.penalty import window_tokens
+from ..core.sampling import LogitsProcessor
+from ..errors import LonggenError
+from .checkpoint import LoadedModel
+from .model import ForwardSpec
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Stats:
+    """Per-run counters; ``steps`` counts target forwards after prefill."""
+
+    steps: int = 0
+    accepted: int = 0  # accepted draft tokens (bonus excluded)
+    drafted: int = 0  # draft depth offered per step, summed (TokenSwift Eq. 4's gamma * T)
+    ngram_steps: int = 0  # steps whose accepted path reached past the head tree via an n-gram
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]
+    prompt_tokens: int
+    num_new_tokens: int
+    accept_length: float  # tau: tokens committed per target step
+    acceptance_rate: float  # alpha: accepted drafts / drafted (TokenSwift Eq. 4)
+    decode_seconds: float
+    prefill_seconds: float
+    finish_reason: str  # "length", "stop", "error"
+    stats: Stats = field(default_factory=Stats)
+    error: str | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def record(self) -> dict:
+        out = asdict(self)
+        out["tokens_per_second"] = self.tokens_per_second
+        return out
+
+
+ProgressFn = Callable[[int, Stats], None]
+
+
+class Decoder(ABC):
+    """One generation at a time over a loaded model (batch 1, like gpt-fast)."""
+
+    # Extra KV slots a step may write past the committed length (the verify tree).
+    slack = 1
+
+    def __init__(self, loaded: LoadedModel, config: GenerateConfig):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = config
+        self.sampling = config.sampling
+        self.processor = LogitsProcessor(config.sampling, loaded.config.vocab_size)
+        self.window = config.sampling.penalty_window if config.sampling.penalty_active else 0
+
+    # -- the method's part ---------------------------------------------------------------------
+
+    def after_prefill(self) -> None:
+        """Set up per-generation state once the prompt is in the cache."""
+
+    def prefill_score_request(self) -> tuple[int, int] | None:
+        """Cached range ``[lo, hi)`` the last prompt row should score (partial-KV selection)."""
+        return None
+
+    def on_prefill_scores(self, scores: torch.Tensor) -> None:
+        pass
+
+    @abstractmethod
+    def step(self) -> list[int]:
+        """Commit the root and return the newly generated tokens (the last one is the new root)."""
+
+    # -- shared machinery ----------------------------------------------------------------------
+
+    def penalty_windows(self, paths: list[list[int]]) -> list[list[int]] | None:
+        if not self.window:
+            return None
+        return [window_tokens(self.history, p, self.window) for p in paths]
+
+    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        ctx = self.loaded.config.max_position_embeddings
+        if not prompt_ids:
+            raise LonggenError("the prompt is empty")
+        if len(prompt_ids) >= ctx:
+            raise LonggenError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {ctx}")
+        if len(prompt_ids) + max_new_tokens > ctx:
+            raise LonggenError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {ctx} tokens"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.loaded.config.vocab_size]
+        if bad:
+            raise LonggenError(f"prompt token ids out of the vocabulary: {bad[:5]}")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, progress: ProgressFn | None = None) -> GenerationResult:
+        self.check_prompt(prompt_ids, max_new_tokens)
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.stats = Stats()
+        P = len(prompt_ids)
+        eos = set() if self.config.ignore_eos else set(self.loaded.eos_ids)
+        self.cache = self.model.new_cache(P + max_new_tokens + self.slack)
+        self.history: list[int] = list(prompt_ids)
+        finish, error = "length", None
+
+        t0 = time.perf_counter()
+        logits = self._prefill(prompt_ids)
+        first = int(self.processor.sample(logits, self.penalty_windows([[]]), self.generator)[0])
+        self.history.append(first)
+        self.length = P  # committed KV length; history[-1] (the root) has no KV yet
+        self.after_prefill()
+        t1 = time.perf_counter()
+        if first in eos:
+            finish = "stop"
+        try:
+            while finish == "length" and len(self.history) - P < max_new_tokens:
+                new = self.step()
+                self.stats.steps += 1
+                for i, tok in enumerate(new):
+                    if tok in eos:
+                        new = new[: i + 1]
+                        finish = "stop"
+                        break
+                self.history.extend(new)
+                self.after_commit()
+                if progress is not None:
+                    progress(min(len(self.history) - P, max_new_tokens), self.stats)
+        except (Exception, KeyboardInterrupt) as exc:  # keep what was generated
+            finish, error = "error", f"{type(exc).__name__}: {exc}"
+        t2 = time.perf_counter()
+
+        output = self.history[P : P + max_new_tokens]
+        s = self.stats
+        return GenerationResult(
+            output_ids=output,
+            prompt_tokens=P,
+            num_new_tokens=len(output),
+            accept_length=(len(self.history) - P - 1) / s.steps if s.steps else 1.0,
+            acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
+            decode_seconds=t2 - t1,
+            prefill_seconds=t1 - t0,
+            finish_reason=finish,
+            stats=s,
+            error=error,
+        )
+
+    def after_commit(self) -> None:
+        """Hook after new tokens joined the history (e.g. index n-grams)."""
+
+    def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Fill the cache with the prompt; return the last position's logits (``[1, V]``)."""
+        dev = self.model.device
+        P = len(prompt_ids)
+        want = self.prefill_score_request()
+        h = None
+        for lo in range(0, P, PREFILL_CHUNK):
+            hi = min(P, lo + PREFILL_CHUNK)
+            ids = torch.tensor(prompt_ids[lo:hi], dtype=torch.long, device=dev)
+            spec = ForwardSpec(start=lo)
+            if want is not None and hi == P:
+                spec.score = (hi - lo - 1, *want)
+            h = self.model(ids, torch.arange(lo, hi, device=dev), self.cache, spec)
+            if spec.scores:
+                self.on_prefill_scores(torch.stack(spec.scores))
+        return self.model.logits(h[-1:])
+
+
+class ARDecoder(Decoder):
+    """Plain decoding: one target forward and one draw per token. The baseline and the oracle."""
+
+    def step(self) -> list[int]:
+        dev = self.model.device
+        root = self.history[-1]
+        t = time.perf_counter()
+        h = self.model(torch.tensor([root], device=dev), torch.tensor([self.length], device=dev),
+                       self.cache, ForwardSpec(start=self.length))
+        tok = int(self.processor.sample(self.model.logits(h), self.penalty_windows([[]]), self.generator)[0])
+        self.stats.verify_seconds += time.perf_counter() - t
+        self.length += 1
+        return [tok]

@@ -1,0 +1,117 @@
+"""TokenSwift in the reference runtime: two forwards per step.
+
+1. Draft: the root token alone through the model over the *partial* KV; the base head and the
+   three extra heads give four rows, whose top candidates form the [1,3,3,3] tree; n-grams keyed
+   on the depth-1 token add paths; everything merges into one trie.
+2. Verify: the whole trie through the model over the *full* KV with the ancestor mask; the
+   per-node walk decides what is committed; the accepted rows' KV is compacted in place.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import GenerateConfig
+from ..core.heads import TokenSwiftHeads
+from ..core.ngram import NgramPool
+from ..core.partial_kv import PartialKVPolicy
+from ..core.tree import DraftTree, Source, cartesian_paths
+from ..core.verify import verify_tree
+from ..errors import LonggenError
+from .checkpoint import LoadedModel
+from .decoder import Decoder
+from .model import ForwardSpec
+
+
+class TokenSwiftDecoder(Decoder):
+    def __init__(self, loaded: LoadedModel, config: GenerateConfig, heads: TokenSwiftHeads):
+        super().__init__(loaded, config)
+        ts = config.tokenswift
+        self.ts = ts
+        if heads.hidden_size != loaded.config.hidden_size:
+            raise LonggenError(
+                f"heads have hidden size {heads.hidden_size} but the model's is {loaded.config.hidden_size}"
+            )
+        if heads.num_heads < ts.num_heads:
+            raise LonggenError(f"the tree {ts.tree} needs {ts.num_heads} heads, the checkpoint has {heads.num_heads}")
+        ctx = loaded.config.max_position_embeddings
+        if ts.partial_kv.budget > ctx:
+            raise LonggenError(f"partial KV budget {ts.partial_kv.budget} is larger than the model's context ({ctx})")
+        self.heads = heads.to(device=self.model.device, dtype=self.model.dtype).eval().requires_grad_(False)
+        # The largest trie: the full head tree plus every n-gram path's own nodes.
+        tree_nodes, width = 1, 1
+        for b in ts.tree:
+            width *= b
+            tree_nodes += width
+        ngram_nodes = ts.ngram.top_k * ts.ngram.n if ts.ngram.enabled else 0
+        self.slack = tree_nodes + ngram_nodes
+
+    def after_prefill(self) -> None:
+        ng = self.ts.ngram
+        self.pool = NgramPool(ng.n, ng.top_k) if ng.enabled else None
+        self.after_commit()
+
+    def prefill_score_request(self) -> tuple[int, int] | None:
+        cfg = self.loaded.config
+        self.policy = PartialKVPolicy(self.ts.partial_kv, cfg.num_hidden_layers, cfg.n_kv_heads)
+        self.policy.reset(len(self.history))
+        return self.policy.score_range()
+
+    def on_prefill_scores(self, scores: torch.Tensor) -> None:
+        self.policy.select(scores)
+
+    def after_commit(self) -> None:
+        self.policy.commit(self.length)
+        if self.pool is not None:
+            exclude = self.window if self.ts.ngram.exclude_penalty_window else 0
+            self.pool.extend(self.history, len(self.history) - exclude)
+
+    def draft(self) -> DraftTree:
+        """Propose a trie from the heads over the partial KV and from the n-gram pool."""
+        dev = self.model.device
+        root = self.history[-1]
+        h0 = self.model(torch.tensor([root], device=dev), torch.tensor([self.length], device=dev),
+                        self.cache, ForwardSpec(start=self.length, visible=self.policy.visible()))
+        states = [self.model.model.norm(h0)] + self.heads(h0)[: self.ts.num_heads]
+        logits = self.model.lm_head(torch.cat(states, dim=0))
+        # Proposals only decide what gets verified; the committed-context window is enough here.
+        windows = self.penalty_windows([[]] * logits.shape[0])
+        cands = self.processor.top_candidates(logits, max(self.ts.tree), windows)
+        tree = DraftTree(root)
+        for path in cartesian_paths(cands, self.ts.tree):
+            tree.add_path(path, Source.HEADS)
+        if self.pool is not None and cands[0]:
+            d1 = cands[0][0]
+            for cont in self.pool.lookup(d1):
+                tree.add_path((d1, *cont), Source.NGRAM)
+        return tree
+
+    def step(self) -> list[int]:
+        dev = self.model.device
+        t = time.perf_counter()
+        tree = self.draft()
+        t_draft = time.perf_counter()
+        L = self.length
+        self.cache.ensure(L + len(tree))
+        spec = ForwardSpec(start=L, mask=tree.ancestor_mask(dev))
+        rng = self.policy.score_range()
+        if rng is not None:
+            spec.score = (0, *rng)  # the root's query: the token about to be committed
+        h = self.model(tree.token_tensor(dev), tree.positions(L, dev), self.cache, spec)
+        if spec.scores:
+            self.policy.select(torch.stack(spec.scores))
+        verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
+        self.cache.keep(L, verdict.nodes)
+        self.length = L + len(verdict.nodes)
+
+        s = self.stats
+        s.accepted += verdict.accepted
+        s.drafted += tree.max_depth
+        last = verdict.nodes[-1]
+        if tree.sources[last] & Source.NGRAM and not tree.sources[last] & Source.HEADS:
+            s.ngram_steps += 1
+        s.draft_seconds += t_draft - t
+        s.verify_seconds += time.perf_counter() - t_draft
+        return verdict.tokens

@@ -1,0 +1,88 @@
+import torch
+
+from sgl_longgen.core.ngram import NgramPool
+from sgl_longgen.core.tree import DraftTree, Source, cartesian_paths
+
+
+def test_paths_merge_into_one_node_per_distinct_prefix():
+    tree = DraftTree(root_token=9)
+    a = tree.add_path([1, 2, 3], Source.HEADS)
+    b = tree.add_path([1, 2, 4], Source.NGRAM)
+    c = tree.add_path([5], Source.NGRAM)
+    assert len(tree) == 1 + 4 + 1
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert tree.sources[a[0]] == Source.HEADS | Source.NGRAM
+    assert tree.sources[a[2]] == Source.HEADS and tree.sources[c[0]] == Source.NGRAM
+    assert tree.depths == [0, 1, 2, 3, 3, 1]
+    assert tree.path_tokens(b[2]) == [1, 2, 4]
+    assert tree.path_nodes(b[2]) == [0, *b]
+
+
+def test_parents_precede_children_and_positions_follow_depth():
+    tree = DraftTree(0)
+    for path in ([3, 1], [2], [3, 2, 7]):
+        tree.add_path(path)
+    assert all(p < i for i, p in enumerate(tree.parents) if p >= 0)
+    assert tree.positions(100).tolist() == [100 + d for d in tree.depths]
+
+
+def test_ancestor_mask_is_ancestor_or_self():
+    tree = DraftTree(0)
+    tree.add_path([1, 2])
+    tree.add_path([1, 3])
+    tree.add_path([4])
+    m = tree.ancestor_mask()
+    expect = torch.zeros(len(tree), len(tree), dtype=torch.bool)
+    for i in range(len(tree)):
+        for j in tree.path_nodes(i):
+            expect[i, j] = True
+    assert torch.equal(m, expect)
+    assert torch.equal(m, m.tril())
+
+
+def test_max_nodes_truncates_paths():
+    tree = DraftTree(0)
+    tree.add_path([1, 2, 3])
+    got = tree.add_path([1, 5, 6], max_nodes=5)
+    assert len(tree) == 5 and len(got) == 2
+
+
+def test_cartesian_tree_is_tokenswifts_1_3_3_3():
+    cands = [[10, 11], [20, 21, 22, 23], [30, 31, 32], [40, 41, 42]]
+    paths = cartesian_paths(cands, [1, 3, 3, 3])
+    assert len(paths) == 27 and all(p[0] == 10 for p in paths)
+    tree = DraftTree(0)
+    for p in paths:
+        tree.add_path(p)
+    assert len(tree) == 1 + 1 + 3 + 9 + 27
+
+
+def test_cartesian_tree_stops_above_an_empty_row():
+    assert cartesian_paths([[1], [2, 3], [], [4]], [1, 3, 3, 3]) == [(1, 2), (1, 3)]
+
+
+def test_ngram_pool_counts_and_ranks_by_frequency_then_recency():
+    pool = NgramPool(n=3, top_k=5)
+    seq = [1, 2, 3, 1, 2, 3, 1, 4, 5, 1, 2, 3, 1, 4, 6]
+    pool.extend(seq)
+    # continuations of 1: (2,3) x3, (4,5) x1, (4,6) x1 (more recent than (4,5))
+    assert pool.lookup(1) == [(2, 3), (4, 6), (4, 5)]
+    assert pool.lookup(1, k=1) == [(2, 3)]
+    assert pool.lookup(99) == []
+
+
+def test_ngram_pool_extends_incrementally_and_honours_the_limit():
+    seq = [1, 2, 3, 4, 1, 2, 3, 5]
+    whole = NgramPool(n=3)
+    whole.extend(seq)
+    step = NgramPool(n=3)
+    for end in range(len(seq) + 1):
+        step.extend(seq[:end])
+    assert step._table == whole._table
+    limited = NgramPool(n=3)
+    limited.extend(seq, limit=5)  # only n-grams inside seq[:5]
+    assert limited.lookup(1) == [(2, 3)]
+    assert limited.lookup(3) == [(4, 1)]
+    assert limited.lookup(4) == []
+    limited.extend(seq)
+    assert limited._table == whole._table
