@@ -1,0 +1,120 @@
+"""The command line, as a user runs it (a subprocess per command)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sgl_longgen.core.heads import TokenSwiftHeads
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sgl_longgen", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+def generate(tmp_path: Path, method: str, *extra: str, n: int = 2048) -> dict:
+    out = tmp_path / f"{method}-{abs(hash(extra))}.jsonl"
+    res = cli("generate", "--method", method, "--max-new-tokens", str(n), "--temperature", "0",
+              "--out", str(out), *extra)
+    assert res.returncode == 0, res.stderr
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    return record
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--model", "tiny"),
+        ("--model", "tiny", "--penalty", "1.2", "--penalty-window", "64"),
+        ("--model", "tiny-qwen2"),  # Qwen2, GQA ratio 2 instead of 4
+    ],
+    ids=["tiny", "tiny-penalty", "tiny-qwen2"],
+)
+def test_generate_tokenswift_is_token_identical_to_ar(tmp_path, extra):
+    ar = generate(tmp_path, "ar", *extra)
+    ts = generate(tmp_path, "tokenswift", *extra)
+    assert ar["num_new_tokens"] == ts["num_new_tokens"] == 2048 or ar["finish_reason"] == "stop"
+    assert ts["output_ids"] == ar["output_ids"]
+    for key in ("output_ids", "text", "num_new_tokens", "accept_length", "decode_seconds"):
+        assert key in ts
+    assert ar["accept_length"] == 1.0 and ts["accept_length"] > 1.5
+
+
+def test_demo_reports_identical_outputs():
+    res = cli("demo", "--max-new-tokens", "1024")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("tokenswift"))
+    assert row.split()[-1] == "yes"
+    assert any(line.startswith("ar ") for line in lines)
+
+
+def one_error_line(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("sgl-longgen: error:")
+    return lines[0]
+
+
+def test_missing_model_directory(tmp_path):
+    line = one_error_line(cli("generate", "--model", str(tmp_path / "nope"), "--max-new-tokens", "4"))
+    assert "model directory not found" in line
+
+
+def test_prompt_longer_than_the_context(tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("x" * 17000)  # byte-level tokenizer: one token per byte; context 16384
+    line = one_error_line(cli("generate", "--prompt-file", str(prompt), "--max-new-tokens", "4"))
+    assert "context" in line and "17001" in line
+
+
+def test_negative_penalty_window():
+    line = one_error_line(cli("generate", "--penalty-window", "-1", "--max-new-tokens", "4"))
+    assert "penalty_window" in line
+
+
+def test_budget_larger_than_the_context():
+    line = one_error_line(cli("generate", "--method", "tokenswift", "--budget", "100000", "--max-new-tokens", "4"))
+    assert "budget" in line and "16384" in line
+
+
+def test_heads_with_another_hidden_size(tmp_path):
+    TokenSwiftHeads(64, 3).save(tmp_path / "heads")
+    line = one_error_line(cli("generate", "--method", "tokenswift", "--heads", str(tmp_path / "heads"),
+                              "--max-new-tokens", "4"))
+    assert "hidden size 64" in line and "128" in line
+
+
+def test_unknown_config_key_names_the_field(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[tokenswift.partial_kv]\nbudgett = 10\n")
+    line = one_error_line(cli("generate", "--config", str(cfg), "--max-new-tokens", "4"))
+    assert "budgett" in line
+
+
+def test_config_file_is_applied_and_flags_override_it(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("max_new_tokens = 7\n[sampling]\ntemperature = 0.0\n")
+    out = tmp_path / "o.jsonl"
+    res = cli("generate", "--config", str(cfg), "--method", "ar", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(out.read_text())["num_new_tokens"] == 7
+    res = cli("generate", "--config", str(cfg), "--method", "ar", "--max-new-tokens", "3", "--out", str(out))
+    assert json.loads(out.read_text())["num_new_tokens"] == 3
+
+
+def test_jsonl_prompt_file_gives_one_record_per_prompt(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "input_ids": [1, 2, 3]}\n')
+    out = tmp_path / "o.jsonl"
+    res = cli("generate", "--prompt-file", str(prompts), "--max-new-tokens", "5", "--method", "ar", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b"]
+    assert all(r["num_new_tokens"] == 5 for r in records)
