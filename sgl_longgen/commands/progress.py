@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import sys
-import time
 
 from tqdm import tqdm
 
 
 class TokenProgress:
-    """A tqdm bar fed by a decoder's progress callback ``(tokens_done, stats)``."""
+    """A tqdm bar fed by a decoder's progress callback ``(tokens, stats)``."""
 
     def __init__(self, total: int, desc: str = "", disable: bool | None = None):
         self._bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, disable=disable,
                          dynamic_ncols=True, leave=False)
         self._done = 0
-        self._t0 = time.perf_counter()
 
-    def update(self, done: int, stats) -> None:
+    def update(self, tokens, stats) -> None:
+        done = len(tokens)
         self._bar.update(done - self._done)
         self._done = done
         if stats.steps:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -59,7 +59,9 @@ class GenerationResult:
         return out
 
 
-ProgressFn = Callable[[int, Stats], None]
+# Called after every step with the tokens generated so far (a live view: copy to keep) and the
+# counters; checkpointing and progress bars hang off it.
+ProgressFn = Callable[[Sequence[int], Stats], None]
 
 
 class Decoder(ABC):
@@ -146,7 +148,7 @@ class Decoder(ABC):
                 self.history.extend(new)
                 self.after_commit()
                 if progress is not None:
-                    progress(min(len(self.history) - P, max_new_tokens), self.stats)
+                    progress(self.history[P : P + max_new_tokens], self.stats)
         except (Exception, KeyboardInterrupt) as exc:  # keep what was generated
             finish, error = "error", f"{type(exc).__name__}: {exc}"
         t2 = time.perf_counter()
