@@ -68,7 +68,7 @@ class PartialKVPolicy:
         if self.pending is None:
             raise RuntimeError("no selection is due")
         start, end = self.score_range()
-        scores = scores.reshape(-1, scores.shape[-1])
+        scores = scores.flatten(0, -2)
         if scores.shape[-1] != end - start:
             raise ValueError(f"expected scores over {end - start} positions, got {scores.shape[-1]}")
         if self.granularity == "shared":

@@ -39,3 +39,48 @@ def apply_penalty(logits: torch.Tensor, mask: torch.Tensor, theta: float) -> tor
     """CTRL-style: penalized positive logits are divided by theta, negative ones multiplied."""
     penalized = torch.where(logits > 0, logits / theta, logits * theta)
     return torch.where(mask, penalized, logits)
+
+
+def tree_window_mask(
+    history: Sequence[int],
+    paths: Sequence[Sequence[int]],
+    window: int,
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Penalty masks of many tree nodes at once (``[len(paths), vocab_size]``).
+
+    Equal to ``window_mask([window_tokens(history, p, window) for p in paths])`` but built from
+    one token count of the base window plus a few sparse corrections per node, so a verify
+    batch of dozens of nodes costs one scatter instead of one per node.
+    """
+    n = len(paths)
+    if window <= 0 or n == 0:
+        return torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+    base = list(history[max(0, len(history) - window):])
+    counts = torch.zeros(vocab_size, dtype=torch.int32)
+    if base:
+        counts.index_add_(0, torch.tensor(base, dtype=torch.long), torch.ones(len(base), dtype=torch.int32))
+    rows, toks, deltas = [], [], []
+    for row, path in enumerate(paths):
+        d = len(path)
+        # The node keeps the last W - d history tokens; the rest of the base window drops out.
+        keep = min(len(base), max(0, window - d))
+        drop = base[: len(base) - keep]
+        kept_path = path[max(0, d - window):]
+        for t in drop:
+            rows.append(row)
+            toks.append(t)
+            deltas.append(-1)
+        for t in kept_path:
+            rows.append(row)
+            toks.append(t)
+            deltas.append(1)
+    full = counts.expand(n, vocab_size).clone()
+    if rows:
+        full.index_put_(
+            (torch.tensor(rows, dtype=torch.long), torch.tensor(toks, dtype=torch.long)),
+            torch.tensor(deltas, dtype=torch.int32),
+            accumulate=True,
+        )
+    return (full > 0).to(device)

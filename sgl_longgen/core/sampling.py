@@ -63,7 +63,9 @@ class LogitsProcessor:
     """Temperature, contextual penalty, then min-p / eta / top-p / top-k.
 
     ``windows`` gives, per row, the tokens of that row's penalty window (see
-    :func:`sgl_longgen.core.penalty.window_tokens`); ``None`` means no penalty for any row.
+    :func:`sgl_longgen.core.penalty.window_tokens`), or directly a ``[rows, V]`` boolean mask of
+    penalized tokens (see :func:`sgl_longgen.core.penalty.tree_window_mask`); ``None`` means no
+    penalty for any row.
     ``banned`` token ids (e.g. a [SPEC] token) can never be produced.
     """
 
@@ -83,7 +85,8 @@ class LogitsProcessor:
             logits = logits.float()
         p = self.params
         if windows is not None and p.penalty_active:
-            logits = apply_penalty(logits, window_mask(windows, self.vocab_size, logits.device), p.penalty)
+            mask = windows if isinstance(windows, torch.Tensor) else window_mask(windows, self.vocab_size, logits.device)
+            logits = apply_penalty(logits, mask.to(logits.device), p.penalty)
         if self.banned.numel():
             logits = logits.index_fill(-1, self.banned.to(logits.device), NEG_INF)
         return logits

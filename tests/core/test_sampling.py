@@ -129,3 +129,24 @@ def test_invalid_sampling_values_are_rejected(bad):
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert(bad, SamplingConfig)
+
+
+def test_tree_window_mask_equals_per_node_windows():
+    import random
+
+    from sgl_longgen.core.penalty import tree_window_mask
+
+    rng = random.Random(0)
+    for _ in range(500):
+        vocab = 12
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        window = rng.randrange(0, 12)
+        paths = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 9))] for _ in range(rng.randrange(1, 6))]
+        want = window_mask([window_tokens(history, p, window) for p in paths], vocab)
+        assert torch.equal(tree_window_mask(history, paths, window, vocab), want)
+
+
+def test_a_precomputed_mask_and_windows_penalize_alike():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0, -1.0]], dtype=torch.float64)
+    p = proc(penalty=1.5, penalty_window=4)
+    assert torch.equal(p.penalized(logits, [[0, 1]]), p.penalized(logits, window_mask([[0, 1]], 6)))

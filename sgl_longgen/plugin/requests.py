@@ -1,0 +1,92 @@
+"""Per-request state and sampling rules of our SGLang workers.
+
+SGLang's batch carries the tokens; everything a speculative method remembers across steps (its
+n-gram pool, partial-KV selection, random generator) lives here, keyed by request id, so
+requests joining and leaving the batch never disturb each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import SamplingConfig
+
+# SGLang's "no top-k" sentinel (sampling_params.TOP_K_ALL) and greedy encoding (top_k == 1).
+_TOP_K_ALL = 1 << 30
+
+
+def request_tokens(req) -> list[int]:
+    """Prompt plus everything committed so far; the last token is the next root."""
+    return list(req.origin_input_ids) + list(req.output_ids)
+
+
+@dataclass
+class PenaltyDefaults:
+    penalty: float = 1.0
+    window: int = 1024
+
+
+def penalty_settings(req, defaults: PenaltyDefaults) -> tuple[float, int]:
+    """Contextual penalty of a request: its ``custom_params`` override the server's defaults."""
+    params: dict[str, Any] = req.sampling_params.custom_params or {}
+    theta = float(params.get("penalty", defaults.penalty))
+    window = int(params.get("penalty_window", defaults.window))
+    if theta < 1.0 or window < 0:
+        raise ValueError(f"bad contextual penalty for request {req.rid}: penalty={theta}, penalty_window={window}")
+    return theta, window
+
+
+def sampling_config(req, defaults: PenaltyDefaults) -> SamplingConfig:
+    """The request's target distribution in our terms, with SGLang's joint filter semantics."""
+    sp = req.sampling_params
+    theta, window = penalty_settings(req, defaults)
+    greedy = sp.top_k == 1
+    top_k = 0 if greedy or sp.top_k is None or sp.top_k <= 0 or sp.top_k >= _TOP_K_ALL else sp.top_k
+    return SamplingConfig(
+        temperature=0.0 if greedy else float(sp.temperature),
+        top_p=float(sp.top_p),
+        top_k=top_k,
+        min_p=float(sp.min_p),
+        penalty=theta,
+        penalty_window=window,
+        filter_order="joint",
+    )
+
+
+def tree_blocker(req, penalty_processor_cls) -> str | None:
+    """Why a request's drafts cannot be verified losslessly here (None: they can).
+
+    These features make a node's distribution depend on state we cannot extend along a draft
+    path (SGLang's count-based penalties, grammars, opaque logit processors). Such requests
+    still run, one exact token per step from the root.
+    """
+    sp = req.sampling_params
+    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
+        return "frequency/presence/repetition penalty"
+    if sp.min_new_tokens and len(req.output_ids) < sp.min_new_tokens:
+        return "min_new_tokens"
+    if req.grammar is not None:
+        return "structured output"
+    if req.custom_logit_processor:
+        from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+        proc = CustomLogitProcessor.from_str(req.custom_logit_processor)
+        if not isinstance(proc, penalty_processor_cls):
+            return "custom logit processor"
+    if req.return_logprob:
+        return "logprobs"
+    return None
+
+
+@dataclass
+class RequestState:
+    """What one request's speculation remembers between steps."""
+
+    rid: str
+    generator: torch.Generator
+    method_state: Any = None  # the method's own (e.g. n-gram pool, partial-KV policy)
+    last_seen: int = 0  # worker step at which the request was last in a batch
+    stats: dict[str, float] = field(default_factory=dict)

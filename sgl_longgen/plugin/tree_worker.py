@@ -1,0 +1,327 @@
+"""The SGLang V2 speculative worker shared by our tree methods.
+
+A method only says how to draft one trie per request (:meth:`TreeSpecWorker.draft`). This base
+does the rest the way SGLang's own NGRAM worker does it, with our lossless verifier:
+
+1. pad every request's trie to ``speculative_num_draft_tokens`` nodes (SGLang verifies a fixed
+   width per request) and run one TARGET_VERIFY forward of the target model;
+2. process each node's logits into its target distribution (SGLang's logit bias, our per-node
+   contextual penalty, temperature and SGLang's joint top-k/top-p/min-p), draw one token per
+   node, and walk the trie (:func:`sgl_longgen.core.verify.walk_tree`);
+3. move the accepted nodes' KV to the front of the verify window and report the committed tokens
+   (``accept_lens`` includes the bonus token) so SGLang's scheduler advances the request.
+
+Requests using features whose effect cannot be extended along a draft path (SGLang's
+count-based penalties, grammars, foreign logit processors) get an empty tree: one exact token
+per step, drawn from SGLang's own processing of the root.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import msgspec
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+
+from ..config import SamplingConfig
+from ..core.penalty import tree_window_mask
+from ..core.sampling import LogitsProcessor
+from ..core.tree import DraftTree
+from ..core.verify import Verdict, walk_tree
+from .penalty_processor import ContextualPenaltyProcessor
+from .requests import PenaltyDefaults, RequestState, request_tokens, sampling_config, tree_blocker
+from .spec_inputs import TreeVerifyInput, relay_input
+
+logger = logging.getLogger(__name__)
+
+# Attention backends that read TreeVerifyInput.tree_mask and need no FULL custom mask.
+TREE_MASK_BACKENDS = {"longgen_torch"}
+
+
+@dataclass
+class StepRequest:
+    """One request's view of the current step."""
+
+    req: object
+    state: RequestState
+    history: list[int]  # committed tokens; history[-1] is the root (no KV yet)
+    seq_len: int  # committed KV length
+    sampling: SamplingConfig
+    blocker: str | None
+
+    @property
+    def root(self) -> int:
+        return self.history[-1]
+
+
+class TreeSpecWorker(BaseSpecWorker):
+    # Leave room for a method's own per-node outputs (e.g. OWL reads hidden states).
+    capture_hidden_mode = CaptureHiddenMode.NULL
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **kwargs):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.model = self.model_runner.model
+        self.device = torch.device(self.model_runner.device)
+        self.num_nodes = int(server_args.speculative_num_draft_tokens)
+        self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        self.states: dict[str, RequestState] = {}
+        self.step_count = 0
+        self.seed = int(server_args.random_seed or 0)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        backend = server_args.decode_attention_backend or server_args.attention_backend
+        self.needs_full_mask = backend not in TREE_MASK_BACKENDS
+        self.penalty_defaults = PenaltyDefaults()
+
+    # -- SGLang's worker contract ---------------------------------------------------------------
+
+    @property
+    def draft_worker(self):
+        return None
+
+    def alloc_memory_pool(self, **kwargs):
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    def clear_cache_pool(self):
+        self.states.clear()
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.states.pop(rid, None)
+
+    def forward_batch_generation(self, batch, on_publish=None, **kwargs) -> GenerationBatchResult:
+        if batch.forward_mode.is_decode():
+            return self._decode(batch, on_publish)
+        return self._extend(batch, on_publish)
+
+    # -- the method's part ----------------------------------------------------------------------
+
+    def new_method_state(self, step: StepRequest):
+        """Per-request state of the method, created at the request's first decode step."""
+        return None
+
+    @abstractmethod
+    def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:
+        """One trie per request (at most ``num_nodes`` nodes), root = the request's last token."""
+
+    def score_ranges(self, steps: list[StepRequest]) -> list[tuple[int, int] | None]:
+        """Per request, committed positions to score during the verify forward (or None)."""
+        return [None] * len(steps)
+
+    def after_verify_forward(self, steps: list[StepRequest], spec: TreeVerifyInput, logits_output) -> None:
+        """Read what the verify forward produced besides logits (scores, hidden states)."""
+
+    def after_commit(self, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
+        """Update method state with the committed tokens (``step.history`` already extended)."""
+
+    # -- machinery ------------------------------------------------------------------------------
+
+    def _extend(self, batch, on_publish) -> GenerationBatchResult:
+        """Prefill (or any non-decode batch): a plain target step, exactly SGLang's sampling."""
+        for req in batch.reqs:
+            self.states.pop(req.rid, None)  # a (re-)prefilled request starts its speculation afresh
+        res = self._target_worker.forward_batch_generation(batch)
+        bs, n = len(batch.reqs), self.num_nodes
+        new_seq_lens = batch.seq_lens.clone()
+        accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
+        if bs:
+            accept_tokens[:, 0] = res.next_token_ids
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        res.accept_lens = accept_lens
+        res.new_seq_lens = new_seq_lens
+        res.next_draft_input = relay_input(n, new_seq_lens, accept_tokens.flatten(), accept_lens)
+        res.speculative_num_draft_tokens = n
+        return res
+
+    def _state(self, req) -> RequestState:
+        state = self.states.get(req.rid)
+        if state is None:
+            seed = req.sampling_params.sampling_seed
+            gen = torch.Generator(device=self.device).manual_seed(int(seed)) if seed is not None else self.generator
+            state = RequestState(req.rid, gen)
+            self.states[req.rid] = state
+        state.last_seen = self.step_count
+        return state
+
+    def _gc(self, keep: set[str]) -> None:
+        """Forget requests that left without a finish notice (aborts, retractions)."""
+        limit = 4 * max(1, len(keep)) + 64
+        if len(self.states) > limit:
+            for rid in [r for r, s in self.states.items() if r not in keep and s.last_seen < self.step_count]:
+                del self.states[rid]
+
+    def _decode(self, batch, on_publish) -> GenerationBatchResult:
+        t0 = time.perf_counter()
+        self.step_count += 1
+        reqs = batch.reqs
+        bs, n = len(reqs), self.num_nodes
+        seq_lens = batch.seq_lens
+        seq_cpu = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else seq_lens.tolist()
+        steps = []
+        for req, seq_len in zip(reqs, seq_cpu):
+            state = self._state(req)
+            blocker = tree_blocker(req, ContextualPenaltyProcessor)
+            step = StepRequest(req, state, request_tokens(req), int(seq_len),
+                               sampling_config(req, self.penalty_defaults), blocker)
+            if state.method_state is None:
+                state.method_state = self.new_method_state(step)
+            steps.append(step)
+        self._gc({r.rid for r in reqs})
+
+        trees = self.draft(batch, steps)
+        for step, tree in zip(steps, trees):
+            if step.blocker is not None and len(tree) > 1:
+                raise RuntimeError("draft() must return a root-only tree for blocked requests")
+        t1 = time.perf_counter()
+
+        spec = self._verify_input(batch, steps, trees)
+        rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices]
+        window = seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=self.device)
+        out_cache_loc = torch.gather(rows, 1, window).flatten().to(torch.int64)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = spec.draft_token
+        batch.out_cache_loc = out_cache_loc
+        batch.spec_info = spec
+        res = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        logits_output = res.logits_output
+        self.after_verify_forward(steps, spec, logits_output)
+        t2 = time.perf_counter()
+
+        draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
+        verdicts = [walk_tree(tree, lambda node, d=d: d[node]) for tree, d in zip(trees, draws)]
+        self._move_accepted_kv(verdicts, out_cache_loc)
+
+        next_ids = torch.zeros(bs, n, dtype=torch.int32)
+        accept_lens_cpu = torch.zeros(bs, dtype=torch.int32)
+        for b, (step, verdict) in enumerate(zip(steps, verdicts)):
+            next_ids[b, : len(verdict.tokens)] = torch.tensor(verdict.tokens, dtype=torch.int32)
+            accept_lens_cpu[b] = len(verdict.tokens)
+            step.history = step.history + verdict.tokens
+        accept_lens = accept_lens_cpu.to(self.device)
+        next_token_ids = next_ids.flatten().to(self.device)
+        new_seq_lens = seq_lens + accept_lens
+        if batch.return_logprob:
+            self._logprobs(batch, logits_output, trees, draws, verdicts)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        self.after_commit(steps, verdicts)
+        batch.forward_mode = ForwardMode.DECODE
+        t3 = time.perf_counter()
+
+        ms = lambda a, b: round((b - a) * 1e3, 3)
+        logits_output.customized_info = {
+            "longgen_draft_ms": [ms(t0, t1)] * bs,
+            "longgen_verify_ms": [ms(t1, t2)] * bs,
+            "longgen_overhead_ms": [ms(t2, t3)] * bs,
+        }
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=next_token_ids,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=relay_input(n, new_seq_lens, next_token_ids, accept_lens),
+            speculative_num_draft_tokens=n,
+            can_run_cuda_graph=res.can_run_cuda_graph,
+        )
+
+    def _verify_input(self, batch, steps: list[StepRequest], trees: list[DraftTree]) -> TreeVerifyInput:
+        """Pad each trie to ``num_nodes``: padding nodes hang off the root and are never walked."""
+        n, dev = self.num_nodes, self.device
+        tokens, depths, masks = [], [], []
+        for step, tree in zip(steps, trees):
+            t = len(tree)
+            if t > n:
+                raise RuntimeError(f"draft produced {t} nodes, more than speculative_num_draft_tokens={n}")
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            mask[:t, :t] = tree.ancestor_mask()
+            pad = torch.arange(t, n)
+            mask[pad, pad] = True
+            mask[pad, 0] = True
+            masks.append(mask)
+            tokens.append(tree.tokens + [step.root] * (n - t))
+            depths.append(tree.depths + [1] * (n - t))
+        tree_mask = torch.stack(masks).to(dev)
+        draft_token = torch.tensor(tokens, dtype=torch.int64, device=dev).flatten()
+        positions = (batch.seq_lens.to(torch.int64)[:, None] + torch.tensor(depths, device=dev)).flatten()
+        custom_mask = None
+        if self.needs_full_mask:
+            custom_mask = torch.cat([
+                torch.cat([torch.ones(n, step.seq_len, dtype=torch.bool, device=dev), m], dim=1).flatten()
+                for step, m in zip(steps, tree_mask)
+            ])
+        return TreeVerifyInput(
+            draft_token=draft_token, positions=positions, tree_mask=tree_mask, custom_mask=custom_mask,
+            draft_token_num=n, score_ranges=self.score_ranges(steps), capture_hidden_mode=self.capture_hidden_mode,
+        )
+
+    def _draw(self, batch, steps: list[StepRequest], trees: list[DraftTree], logits: torch.Tensor) -> list[list[int]]:
+        """One token per node, each from that node's exact target distribution."""
+        n, vocab = self.num_nodes, self.vocab_size
+        logits = logits[:, :vocab].view(len(steps), n, vocab)
+        sampling_info = batch.sampling_info
+        root_sglang = None
+        if any(s.blocker is not None for s in steps):
+            # SGLang's own processing of the root rows: penalizers, grammar, bias, custom processors.
+            from sglang.srt.layers.sampler import apply_custom_logit_processor
+
+            root_sglang = logits[:, 0].clone()
+            sampling_info.apply_logits_bias(root_sglang)
+            if sampling_info.has_custom_logit_processor:
+                apply_custom_logit_processor(root_sglang, sampling_info)
+        draws = []
+        for b, (step, tree) in enumerate(zip(steps, trees)):
+            if step.blocker is not None:
+                # Any penalty is already in SGLang's processing of the root.
+                proc = LogitsProcessor(msgspec.structs.replace(step.sampling, penalty=1.0), vocab)
+                draws.append(proc.sample(root_sglang[b : b + 1], None, step.state.generator).tolist())
+                continue
+            rows = logits[b, : len(tree)]
+            if sampling_info.logit_bias is not None:
+                rows = rows + sampling_info.logit_bias[b, :vocab]
+            proc = LogitsProcessor(step.sampling, vocab)
+            mask = None
+            if step.sampling.penalty_active:
+                paths = [tree.path_tokens(i) for i in range(len(tree))]
+                mask = tree_window_mask(step.history, paths, step.sampling.penalty_window, vocab, rows.device)
+            draws.append(proc.sample(rows, mask, step.state.generator).tolist())
+        return draws
+
+    def _move_accepted_kv(self, verdicts: list[Verdict], out_cache_loc: torch.Tensor) -> None:
+        """Accepted nodes' KV to the front of each verify window (root stays in place)."""
+        n = self.num_nodes
+        tgt, src = [], []
+        for b, verdict in enumerate(verdicts):
+            for i, node in enumerate(verdict.nodes):
+                if node != i:
+                    tgt.append(b * n + i)
+                    src.append(b * n + node)
+        if not tgt:
+            return
+        index = torch.tensor([tgt, src], dtype=torch.int64, device=out_cache_loc.device)
+        locs = out_cache_loc[index]
+        pool = self.token_to_kv_pool_allocator.get_kvcache()
+        # Gather-then-scatter per layer: a target slot may be another pair's source.
+        move_kv_cache_native(pool.k_buffer, pool.v_buffer, locs[0], locs[1])
+
+    def _logprobs(self, batch, logits_output, trees, draws, verdicts) -> None:
+        from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
+
+        n = self.num_nodes
+        predict = torch.zeros(len(trees) * n, dtype=torch.int64)
+        accept_index = torch.full((len(trees), n), -1, dtype=torch.int64)
+        for b, (d, verdict) in enumerate(zip(draws, verdicts)):
+            predict[b * n : b * n + len(d)] = torch.tensor(d)
+            accept_index[b, : len(verdict.nodes)] = torch.tensor(verdict.nodes) + b * n
+        compute_spec_v2_logprobs(batch, logits_output, predict.to(self.device), accept_index.to(self.device), n - 1)
+
