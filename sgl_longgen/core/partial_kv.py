@@ -8,9 +8,11 @@ The draft forward attends to at most ``budget`` committed positions instead of t
 * every position committed since that selection, which displace the least important selected
   ones first ("tail insertion").
 
-Once the new positions would reach the sinks, a re-selection is due: until it happens the draft
-sees the sinks plus the most recent ``budget - sinks`` positions, and the runtime scores the
-whole context again with the next full forward that is reading it anyway (the verify pass).
+Once the new positions would reach the sinks, a re-selection is due: the next draft forward sees
+the sinks plus the most recent ``budget - sinks`` positions, and the runtime scores the whole
+committed context with that forward's root query (one pass over the keys every
+``budget - sinks`` tokens). Scoring in the draft forward rather than the verify forward keeps the
+verify forward free of extra outputs, so an engine can replay it from a CUDA graph.
 
 The policy only deals in positions; runtimes turn them into KV slots (gather indices, SGLang
 ``kv_indices``). Selection is per (layer, KV head) in ``head`` granularity and one set for all in

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core.partial_kv import gqa_importance
 from ..errors import LonggenError
-from .spec_inputs import TreeVerifyInput
+from .spec_inputs import PartialDraftInput
 
 SCORE_CHUNK = 32768
 
@@ -56,12 +56,13 @@ class PreNormCapture:
 
 
 class ImportanceScorer:
-    """Scores committed positions for partial-KV re-selection during a verify forward.
+    """Scores committed positions for partial-KV re-selection during a draft forward.
 
-    After each attention layer, for every request whose :class:`TreeVerifyInput` asks for it,
-    the root node's query is scored against the request's committed keys with the GQA-summed
+    After each attention layer, for every request whose :class:`PartialDraftInput` asks for it,
+    the root token's query is scored against the request's committed keys with the GQA-summed
     q.k of TokenSwift's Eq. 2, softmax-normalised per KV head (one selection is shared by all
-    layers and heads in the engine), and accumulated over layers.
+    layers and heads in the engine), and accumulated over layers. The draft forward always runs
+    eagerly, so these hooks fire; the verify forward stays free to replay a CUDA graph.
     """
 
     def __init__(self, model_runner):
@@ -79,7 +80,7 @@ class ImportanceScorer:
     def _hook(self, layer, args, kwargs, output):
         forward_batch = self._arg(args, kwargs, 3, "forward_batch")
         spec = getattr(forward_batch, "spec_info", None)
-        if not isinstance(spec, TreeVerifyInput) or not spec.wants_scores:
+        if not isinstance(spec, PartialDraftInput) or not spec.wants_scores:
             return None
         if getattr(layer, "is_cross_attention", False):
             return None
@@ -87,13 +88,12 @@ class ImportanceScorer:
         q = q.reshape(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
         k_buffer = self.runner.token_to_kv_pool.get_key_buffer(layer.layer_id)
         req_to_token = self.runner.req_to_token_pool.req_to_token
-        n = spec.draft_token_num
         for b, rng in enumerate(spec.score_ranges):
             if rng is None:
                 continue
             lo, hi = rng
             slots = req_to_token[forward_batch.req_pool_indices[b], lo:hi].long()
-            root_q = q[b * n]
+            root_q = q[b]
             # Chunked gather: a 100K-token context would otherwise copy every key at once.
             s = torch.cat([
                 gqa_importance(root_q, k_buffer[chunk].transpose(0, 1), layer.scaling).float()

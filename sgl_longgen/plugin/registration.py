@@ -141,13 +141,6 @@ def register_all() -> None:
 
         return LonggenTorchBackend(runner)
 
-    try:
-        from ..kernels.sglang_backend import register as register_kernel_backend
-    except ImportError:
-        register_kernel_backend = None
-    if register_kernel_backend is not None:
-        register_kernel_backend()
-
     HookRegistry.register("sglang.srt.server_args.ServerArgs.__post_init__",
                           lambda self, *a, **k: _prepare_server_args(self), HookType.BEFORE)
     HookRegistry.register("sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias",
@@ -156,3 +149,11 @@ def register_all() -> None:
         from . import cpu_ops
 
         cpu_ops.install((TORCH_BACKEND,))
+
+    # Last: the hybrid-kernel backend needs a GPU stack that may be absent.
+    try:
+        from ..kernels.sglang_backend import register as register_kernel_backend
+    except ImportError as exc:
+        logger.debug("longgen attention backend unavailable: %s", exc)
+    else:
+        register_kernel_backend()

@@ -20,8 +20,6 @@ class TreeVerifyInput(NgramVerifyInput):
     ``tree_mask`` (``[bs, N, N]``, ancestor-or-self) is what our own backends read;
     ``custom_mask`` is the same in SGLang's FULL layout (``[N, prefix + N]`` per request,
     flattened) for FlashInfer / Triton, or None when the backend does not need it.
-    ``score_ranges[b]`` asks for TokenSwift importance scores of request b's root query over
-    its committed positions ``[lo, hi)`` (partial-KV re-selection); ``scores[b]`` receives them.
     """
 
     def __init__(
@@ -32,7 +30,6 @@ class TreeVerifyInput(NgramVerifyInput):
         tree_mask: torch.Tensor,
         custom_mask: torch.Tensor | None,
         draft_token_num: int,
-        score_ranges: list[tuple[int, int] | None] | None = None,
         capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
     ):
         SpecInput.__init__(self, SpecInputType.NGRAM_VERIFY)
@@ -46,12 +43,6 @@ class TreeVerifyInput(NgramVerifyInput):
         self.device = draft_token.device
         self.capture_hidden_mode = capture_hidden_mode
         self.kv_indptr = self.kv_indices = None
-        self.score_ranges = score_ranges or []
-        self.scores: dict[int, torch.Tensor] = {}
-
-    @property
-    def wants_scores(self) -> bool:
-        return any(r is not None for r in self.score_ranges)
 
 
 class PartialDraftInput(SpecInput):
@@ -59,10 +50,15 @@ class PartialDraftInput(SpecInput):
 
     Attention backends that honour ``kv_indptr``/``kv_indices`` in decode (FlashInfer, Triton,
     ours) attend exactly to those slots: TokenSwift's partial KV without copying any KV.
+    ``score_ranges[b]`` asks for importance scores of request b's root query over its committed
+    positions ``[lo, hi)`` (partial-KV re-selection); ``scores[b]`` receives them.
     """
 
-    def __init__(self, *, positions: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor):
+    def __init__(self, *, positions: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 score_ranges: list[tuple[int, int] | None] | None = None):
         super().__init__(SpecInputType.EAGLE_DRAFT)
+        self.score_ranges = score_ranges or []
+        self.scores: dict[int, torch.Tensor] = {}
         self.positions = positions
         self.kv_indptr = kv_indptr
         self.kv_indices = kv_indices
@@ -71,6 +67,10 @@ class PartialDraftInput(SpecInput):
         self.capture_hidden_mode = CaptureHiddenMode.NULL
         self.num_tokens_per_req = self.num_tokens_for_logprob_per_req = 1
         self.draft_token_num = 1
+
+    @property
+    def wants_scores(self) -> bool:
+        return any(r is not None for r in self.score_ranges)
 
 
 def relay_input(draft_token_num: int, new_seq_lens: torch.Tensor, accept_tokens: torch.Tensor,

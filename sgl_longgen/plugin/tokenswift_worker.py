@@ -3,9 +3,9 @@
 Per step and request: the root token goes through SGLang's model runner in DECODE mode over the
 request's *partial* KV only (explicit ``kv_indices``: sinks, the selected positions and the
 newest ones), the pre-norm state feeds the three heads, and their top candidates plus n-grams of
-the request's history form the trie that :class:`TreeSpecWorker` verifies. The partial-KV
-selection is re-scored with the root's query during a verify forward whenever the newest tokens
-would reach the sinks.
+the request's history form the trie that :class:`TreeSpecWorker` verifies. Whenever the newest
+tokens would reach the sinks, that same draft forward re-scores the committed positions with the
+root's query.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..core.verify import Verdict
 from .capture import ImportanceScorer, PreNormCapture
 from .draft_dir import inspect_heads_draft_dir, target_hidden_size
 from .requests import PenaltyDefaults
-from .spec_inputs import PartialDraftInput, TreeVerifyInput
+from .spec_inputs import PartialDraftInput
 from .tree_worker import StepRequest, TreeSpecWorker
 
 
@@ -61,7 +61,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         ng = self.ts.ngram
         pool = NgramPool(ng.n, ng.top_k) if ng.enabled else None
         policy = PartialKVPolicy(self.partial_kv, 1, 1)
-        policy.reset(step.seq_len)  # first selection: scored by the first verify forward
+        policy.reset(step.seq_len)  # first selection: scored by the first draft forward
         state = TokenSwiftState(pool, policy)
         self._index_ngrams(state, step)
         return state
@@ -88,6 +88,7 @@ class TokenSwiftWorker(TreeSpecWorker):
             indices.append(torch.cat([slots, root_slot]))
             lens.append(len(positions) + 1)
         kv_indices = torch.cat(indices).to(torch.int32)
+        score_ranges = [self._score_range(step) for step in steps]
         kv_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
         kv_indptr = torch.zeros(len(steps) + 1, dtype=torch.int32, device=dev)
         kv_indptr[1:] = torch.cumsum(kv_lens, 0)
@@ -101,8 +102,9 @@ class TokenSwiftWorker(TreeSpecWorker):
             batch.forward_mode = ForwardMode.DECODE
             batch.input_ids = roots
             batch.out_cache_loc = root_slots.to(torch.int64)
-            batch.spec_info = PartialDraftInput(positions=batch.seq_lens.to(torch.int64),
-                                                kv_indptr=kv_indptr, kv_indices=kv_indices)
+            spec = PartialDraftInput(positions=batch.seq_lens.to(torch.int64), kv_indptr=kv_indptr,
+                                     kv_indices=kv_indices, score_ranges=score_ranges)
+            batch.spec_info = spec
             batch.seq_lens = kv_lens
             batch.seq_lens_cpu = kv_lens.cpu()
             batch.seq_lens_sum = int(sum(lens))
@@ -113,6 +115,8 @@ class TokenSwiftWorker(TreeSpecWorker):
         finally:
             (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info,
              batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum) = saved
+        for b, scores in spec.scores.items():
+            steps[b].state.method_state.policy.select(scores[None, None].cpu())
         return out.logits_output.next_token_logits[:, : self.vocab_size], h0
 
     @torch.no_grad()
@@ -145,22 +149,16 @@ class TokenSwiftWorker(TreeSpecWorker):
                     tree.add_path((d1, *cont), Source.NGRAM, max_nodes=self.num_nodes)
         return trees
 
-    # -- partial-KV re-selection ---------------------------------------------------------------
+    # -- commit ----------------------------------------------------------------------------------
 
-    def score_ranges(self, steps: list[StepRequest]) -> list[tuple[int, int] | None]:
-        out = []
-        for step in steps:
-            policy = step.state.method_state.policy
-            rng = policy.score_range() if step.blocker is None else None
-            if rng is not None and rng[1] <= rng[0]:
-                policy.select(torch.empty(1, 1, 0))  # nothing beyond the sinks to rank yet
-                rng = None
-            out.append(rng)
-        return out
-
-    def after_verify_forward(self, steps: list[StepRequest], spec: TreeVerifyInput, logits_output) -> None:
-        for b, scores in spec.scores.items():
-            steps[b].state.method_state.policy.select(scores[None, None].cpu())
+    @staticmethod
+    def _score_range(step: StepRequest) -> tuple[int, int] | None:
+        policy = step.state.method_state.policy
+        rng = policy.score_range() if step.blocker is None else None
+        if rng is not None and rng[1] <= rng[0]:
+            policy.select(torch.empty(1, 1, 0))  # nothing beyond the sinks to rank yet
+            rng = None
+        return rng
 
     def after_commit(self, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
         for step, verdict in zip(steps, verdicts):

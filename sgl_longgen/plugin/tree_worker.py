@@ -113,10 +113,6 @@ class TreeSpecWorker(BaseSpecWorker):
     def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:
         """One trie per request (at most ``num_nodes`` nodes), root = the request's last token."""
 
-    def score_ranges(self, steps: list[StepRequest]) -> list[tuple[int, int] | None]:
-        """Per request, committed positions to score during the verify forward (or None)."""
-        return [None] * len(steps)
-
     def after_verify_forward(self, steps: list[StepRequest], spec: TreeVerifyInput, logits_output) -> None:
         """Read what the verify forward produced besides logits (scores, hidden states)."""
 
@@ -262,7 +258,7 @@ class TreeSpecWorker(BaseSpecWorker):
             ])
         return TreeVerifyInput(
             draft_token=draft_token, positions=positions, tree_mask=tree_mask, custom_mask=custom_mask,
-            draft_token_num=n, score_ranges=self.score_ranges(steps), capture_hidden_mode=self.capture_hidden_mode,
+            draft_token_num=n, capture_hidden_mode=self.capture_hidden_mode,
         )
 
     def _draw(self, batch, steps: list[StepRequest], trees: list[DraftTree], logits: torch.Tensor) -> list[list[int]]:

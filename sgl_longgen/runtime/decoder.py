@@ -83,13 +83,6 @@ class Decoder(ABC):
     def after_prefill(self) -> None:
         """Set up per-generation state once the prompt is in the cache."""
 
-    def prefill_score_request(self) -> tuple[int, int] | None:
-        """Cached range ``[lo, hi)`` the last prompt row should score (partial-KV selection)."""
-        return None
-
-    def on_prefill_scores(self, scores: torch.Tensor) -> None:
-        pass
-
     @abstractmethod
     def step(self) -> list[int]:
         """Commit the root and return the newly generated tokens (the last one is the new root)."""
@@ -175,17 +168,11 @@ class Decoder(ABC):
         """Fill the cache with the prompt; return the last position's logits (``[1, V]``)."""
         dev = self.model.device
         P = len(prompt_ids)
-        want = self.prefill_score_request()
         h = None
         for lo in range(0, P, PREFILL_CHUNK):
             hi = min(P, lo + PREFILL_CHUNK)
             ids = torch.tensor(prompt_ids[lo:hi], dtype=torch.long, device=dev)
-            spec = ForwardSpec(start=lo)
-            if want is not None and hi == P:
-                spec.score = (hi - lo - 1, *want)
-            h = self.model(ids, torch.arange(lo, hi, device=dev), self.cache, spec)
-            if spec.scores:
-                self.on_prefill_scores(torch.stack(spec.scores))
+            h = self.model(ids, torch.arange(lo, hi, device=dev), self.cache, ForwardSpec(start=lo))
         return self.model.logits(h[-1:])
 
 

@@ -1,6 +1,8 @@
-"""Embedded models: small HF-format checkpoints built locally on first use.
+"""Embedded models: small HF-format checkpoints shipped with the package or built locally.
 
-Nothing is downloaded. A random-init model is a deterministic function of its spec and seed, so
+Nothing is downloaded. ``tiny`` is a trained proxy (a small Llama trained on Python's standard
+library, with trained TokenSwift heads) when the package ships it; the random-init models are for
+fast tests. A random-init model is a deterministic function of its spec and seed, so
 every machine builds the same weights; the directory is a real HF checkpoint (config.json,
 model.safetensors, tokenizer.json) that SGLang can serve too, with TokenSwift heads and
 per-model defaults in ``tokenswift-heads/``.
@@ -71,11 +73,26 @@ SPECS: dict[str, RandomSpec] = {
         defaults=_TINY_DEFAULTS,
     ),
 }
+# Trained models shipped inside the package (sgl_longgen/models/NAME: an HF checkpoint with its
+# tokenswift-heads/). ``tiny`` is the proxy that ``python -m sgl_longgen.training.proxy`` trains;
+# while its directory is absent, ``tiny`` falls back to its alias below.
+SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "models"
+SHIPPED = ("tiny",)
 ALIASES = {"tiny": "tiny-random"}
 
 
 def names() -> list[str]:
-    return sorted([*SPECS, *ALIASES])
+    return sorted({*SPECS, *SHIPPED, *ALIASES})
+
+
+def shipped_model(name: str) -> Path | None:
+    """The shipped directory of a trained embedded model, if this installation has it."""
+    if name not in SHIPPED:
+        return None
+    directory = SHIPPED_ROOT / name
+    if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
+        return directory
+    return None
 
 
 def cache_root() -> Path:
@@ -86,6 +103,9 @@ def cache_root() -> Path:
 def resolve_model(name_or_dir: str | Path) -> Path:
     """An embedded model's directory (built if needed) or an existing checkpoint directory."""
     name = str(name_or_dir)
+    shipped = shipped_model(name)
+    if shipped is not None:
+        return shipped
     name = ALIASES.get(name, name)
     if name in SPECS:
         spec = SPECS[name]

@@ -9,7 +9,7 @@ forward covers the three shapes the algorithms need:
 * a *partial* (draft) forward that attends only to given cached positions (per KV head) plus the
   new tokens, and writes nothing to the cache;
 * optional importance scores of one query row against a range of cached keys (TokenSwift Eq. 2),
-  computed while the full forward reads those keys anyway.
+  in either kind of forward.
 """
 
 from __future__ import annotations
@@ -156,9 +156,6 @@ class Attention(nn.Module):
             vc[:, s : s + T] = v
             keys, values = kc[:, : s + T], vc[:, : s + T]
             mask = torch.cat([torch.ones(T, s, dtype=torch.bool, device=x.device), new_mask], dim=1)
-            if spec.score is not None:
-                row, lo, hi = spec.score
-                spec.scores.append(gqa_importance(q[row], kc[:, lo:hi], self.scale))
         else:
             vis = spec.visible
             if vis.shape[0] > 1:
@@ -168,6 +165,9 @@ class Attention(nn.Module):
             keys = torch.cat([kc.gather(1, idx), k], dim=1)
             values = torch.cat([vc.gather(1, idx), v], dim=1)
             mask = torch.cat([torch.ones(T, vis.shape[1], dtype=torch.bool, device=x.device), new_mask], dim=1)
+        if spec.score is not None:
+            row, lo, hi = spec.score
+            spec.scores.append(gqa_importance(q[row], kc[:, lo:hi], self.scale))
 
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True

@@ -49,18 +49,12 @@ class TokenSwiftDecoder(Decoder):
         self.slack = tree_nodes + ngram_nodes
 
     def after_prefill(self) -> None:
+        cfg = self.loaded.config
         ng = self.ts.ngram
         self.pool = NgramPool(ng.n, ng.top_k) if ng.enabled else None
-        self.after_commit()
-
-    def prefill_score_request(self) -> tuple[int, int] | None:
-        cfg = self.loaded.config
         self.policy = PartialKVPolicy(self.ts.partial_kv, cfg.num_hidden_layers, cfg.n_kv_heads)
-        self.policy.reset(len(self.history))
-        return self.policy.score_range()
-
-    def on_prefill_scores(self, scores: torch.Tensor) -> None:
-        self.policy.select(scores)
+        self.policy.reset(self.length)  # the first draft forward scores the prompt
+        self.after_commit()
 
     def after_commit(self) -> None:
         self.policy.commit(self.length)
@@ -72,8 +66,15 @@ class TokenSwiftDecoder(Decoder):
         """Propose a trie from the heads over the partial KV and from the n-gram pool."""
         dev = self.model.device
         root = self.history[-1]
-        h0 = self.model(torch.tensor([root], device=dev), torch.tensor([self.length], device=dev),
-                        self.cache, ForwardSpec(start=self.length, visible=self.policy.visible()))
+        spec = ForwardSpec(start=self.length, visible=self.policy.visible())
+        rng = self.policy.score_range()
+        if rng is not None:
+            # A (re-)selection is due: the root's query scores the committed keys in this same
+            # forward (it runs eagerly on every engine, unlike the verify forward).
+            spec.score = (0, *rng)
+        h0 = self.model(torch.tensor([root], device=dev), torch.tensor([self.length], device=dev), self.cache, spec)
+        if spec.scores:
+            self.policy.select(torch.stack(spec.scores))
         states = [self.model.model.norm(h0)] + self.heads(h0)[: self.ts.num_heads]
         logits = self.model.lm_head(torch.cat(states, dim=0))
         # Proposals only decide what gets verified; the committed-context window is enough here.
@@ -96,12 +97,7 @@ class TokenSwiftDecoder(Decoder):
         L = self.length
         self.cache.ensure(L + len(tree))
         spec = ForwardSpec(start=L, mask=tree.ancestor_mask(dev))
-        rng = self.policy.score_range()
-        if rng is not None:
-            spec.score = (0, *rng)  # the root's query: the token about to be committed
         h = self.model(tree.token_tensor(dev), tree.positions(L, dev), self.cache, spec)
-        if spec.scores:
-            self.policy.select(torch.stack(spec.scores))
         verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
         self.cache.keep(L, verdict.nodes)
         self.length = L + len(verdict.nodes)

@@ -1,0 +1,161 @@
+"""GPU check of TOKENSWIFT inside SGLang (a host with SGLang installed; no network needed).
+
+A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift heads:
+
+1. greedy equality: the same prompts through SGLang without speculation and with TOKENSWIFT,
+   ``--tokens`` new tokens each. Where outputs differ, the plain run's top-2 log-probability gap
+   at the first differing position is reported (dummy weights give flat distributions; a
+   difference at a bf16-level near-tie is kernel rounding, not the method);
+2. step-time breakdown at each ``--contexts`` length: TOKENSWIFT's draft / verify / overhead ms
+   per step (our workers report them in ``meta_info``) next to one plain decode step.
+
+    python -m sgl_longgen.plugin.gpu_check --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype="bfloat16",
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, hidden_act="silu",
+)
+
+
+def make_checkpoints(root: Path, budget: int) -> tuple[Path, Path]:
+    import torch
+
+    from ..core.heads import TokenSwiftHeads
+
+    model = root / "llama8b"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA_8B))
+    heads_dir = root / "heads"
+    heads = TokenSwiftHeads(LLAMA_8B["hidden_size"], 3, LLAMA_8B["rms_norm_eps"])
+    heads.reset_parameters(torch.Generator().manual_seed(0))
+    heads.save(heads_dir)
+    (heads_dir / "longgen.toml").write_text(f"[tokenswift.partial_kv]\nbudget = {budget}\nsinks = 16\n")
+    return model, heads_dir
+
+
+def engine(model: Path, heads: Path | None, args) -> object:
+    import sglang as sgl
+
+    kw = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True,
+              attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction,
+              context_length=131072, log_level="warning", random_seed=0, chunked_prefill_size=16384,
+              disable_radix_cache=True, max_running_requests=4, cuda_graph_max_bs_decode=2)
+    if heads is not None:
+        kw.update(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads),
+                  disable_overlap_schedule=True, speculative_num_draft_tokens=args.draft_tokens)
+        if args.no_cuda_graph:
+            kw.update(disable_cuda_graph=True)
+    return sgl.Engine(**kw)
+
+
+def greedy(n: int, **extra) -> dict:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(meta: dict, position: int) -> float | None:
+    tops = meta.get("output_top_logprobs") or []
+    if position >= len(tops) or not tops[position] or len(tops[position]) < 2:
+        return None
+    return float(tops[position][0][0] - tops[position][1][0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("tokenswift_gpu_check.json"))
+    p.add_argument("--tokens", type=int, default=2048, help="greedy tokens per prompt for the equality check")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 98304])
+    p.add_argument("--timed-tokens", type=int, default=256)
+    p.add_argument("--budget", type=int, default=4096, help="partial KV budget B")
+    p.add_argument("--draft-tokens", type=int, default=64, help="speculative_num_draft_tokens")
+    p.add_argument("--attention-backend", default="flashinfer")
+    p.add_argument("--mem-fraction", type=float, default=0.8)
+    p.add_argument("--no-cuda-graph", action="store_true", help="TOKENSWIFT engine without CUDA graphs")
+    args = p.parse_args(argv)
+
+    rng = random.Random(0)
+    root = Path(tempfile.mkdtemp(prefix="longgen_gpu_check_"))
+    model, heads = make_checkpoints(root, args.budget)
+    prompts = [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(args.prompts)]
+    long_prompts = {L: [rng.randrange(1000, 120000) for _ in range(L)] for L in args.contexts}
+    report: dict = {"config": vars(args) | {"out": str(args.out)}}
+
+    t = time.time()
+    plain = engine(model, None, args)
+    report["plain_engine_start_s"] = round(time.time() - t, 1)
+    want = plain.generate(input_ids=prompts, sampling_params=greedy(args.tokens),
+                          return_logprob=True, top_logprobs_num=2)
+    ar = {}
+    for L, prompt in long_prompts.items():
+        times = {}
+        for n in (1, args.timed_tokens + 1):
+            t = time.time()
+            plain.generate(input_ids=prompt, sampling_params=greedy(n))
+            times[n] = time.time() - t
+        ar[L] = (times[args.timed_tokens + 1] - times[1]) / args.timed_tokens * 1e3
+        print(f"plain decode at {L}: {ar[L]:.2f} ms/token", flush=True)
+    plain.shutdown()
+
+    t = time.time()
+    spec = engine(model, heads, args)
+    report["tokenswift_engine_start_s"] = round(time.time() - t, 1)
+    got = spec.generate(input_ids=prompts, sampling_params=greedy(args.tokens))
+    equality = []
+    for w, g in zip(want, got):
+        diff = first_difference(w["output_ids"], g["output_ids"])
+        equality.append({
+            "identical": diff is None, "first_difference": diff,
+            "plain_top2_logprob_gap_there": top2_gap(w["meta_info"], diff) if diff is not None else None,
+            "tau": g["meta_info"].get("spec_accept_length"),
+        })
+        print(f"greedy equality over {args.tokens} tokens: {equality[-1]}", flush=True)
+    report["equality"] = equality
+
+    rows = []
+    for L, prompt in long_prompts.items():
+        out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens))
+        meta = out["meta_info"]
+        mean = lambda k: statistics.fmean(meta[k][1:]) if len(meta.get(k, [])) > 1 else float("nan")
+        row = {
+            "context": L, "ar_step_ms": round(ar[L], 2),
+            "draft_ms": round(mean("longgen_draft_ms"), 2), "verify_ms": round(mean("longgen_verify_ms"), 2),
+            "overhead_ms": round(mean("longgen_overhead_ms"), 2), "tau": meta.get("spec_accept_length"),
+        }
+        row["draft_vs_ar"] = round(row["draft_ms"] / row["ar_step_ms"], 2)
+        row["verify_vs_ar"] = round(row["verify_ms"] / row["ar_step_ms"], 2)
+        rows.append(row)
+    spec.shutdown()
+    report["steps"] = rows
+
+    print(f"{'context':>8} {'AR ms':>7} {'draft':>7} {'verify':>7} {'overhead':>9} {'draft/AR':>9} {'verify/AR':>10}")
+    for r in rows:
+        print(f"{r['context']:>8} {r['ar_step_ms']:>7} {r['draft_ms']:>7} {r['verify_ms']:>7} {r['overhead_ms']:>9}"
+              f" {r['draft_vs_ar']:>9} {r['verify_vs_ar']:>10}")
+    args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""Arguments for SGLang's real engine on the CPU, with and without our speculative algorithm:
+the random-init tiny Llama in float32 with our ``longgen_torch`` attention backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sgl_longgen.runtime import resolve_model
+
+MODEL = "tiny-random"
+CONTEXT = 1024
+
+
+def model_path() -> Path:
+    return resolve_model(MODEL)
+
+
+def heads_path() -> Path:
+    return model_path() / "tokenswift-heads"
+
+
+def engine_args(**extra) -> dict:
+    args = dict(
+        model_path=str(model_path()),
+        device="cpu",
+        dtype="float32",
+        attention_backend="longgen_torch",
+        disable_cuda_graph=True,
+        disable_overlap_schedule=True,
+        mem_fraction_static=0.05,
+        max_total_tokens=16384,
+        max_running_requests=8,
+        context_length=CONTEXT,
+        random_seed=0,
+        skip_tokenizer_init=True,
+        enable_custom_logit_processor=True,
+        log_level="error",
+    )
+    args.update(extra)
+    return args
+
+
+def spec_args(**extra) -> dict:
+    return engine_args(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads_path()), **extra)
