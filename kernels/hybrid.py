@@ -1,0 +1,281 @@
+"""Hybrid tree attention: read the long prefix once, mask only the draft tree, merge by LSE.
+
+Tree verification attends each of the ``T`` draft tokens of a request to the committed prefix
+(every draft token sees all of it) and to its ancestors in the draft tree. The mask only matters
+on the ``T x T`` tree block, so the attention splits exactly into
+
+1. the prefix part, unmasked, where all ``T*G`` query rows of a KV head share each KV tile:
+   the Triton split-KV kernel (``prefix_attention``) or, for small trees, FlashInfer's tensor-core
+   decode with the tree folded into the GQA group (``folded_decode``);
+2. the tree part, ``T`` queries over ``T`` keys with the ancestor mask (``tree_attention``);
+3. an exact log-sum-exp merge in base 2 (``merge``).
+
+``HybridTreeAttention`` follows FlashInfer's plan/run pattern: ``plan`` takes the per-step
+metadata (prefix slots, tree mask) once for all layers, ``run`` is called per layer. The launch
+shapes depend only on the batch size and tree size unless the host prefix lengths are given, so
+the same object serves CUDA-graph capture and replay (plan outside the graph, run inside).
+
+Conventions: ``q [bs*T, Hq, D]``; KV pool ``k_buffer``/``v_buffer [num_slots, Hkv, D]``; request
+``b``'s prefix is ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; ``k_tree``/``v_tree [bs*T, Hkv, D]``
+are the draft tokens' own K/V; ``tree_mask [bs, T, T]`` is True where token ``i`` sees token ``j``
+(include the diagonal). Query head ``h`` uses KV head ``h // (Hq // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from .folded_decode import FoldedPrefixDecode, fold_supported, workspace_bytes
+from .merge import folded_strides, merge_split_states, merge_two_states_strided, token_head_strides
+from .prefix_attention import PrefixKernelConfig, prefix_attention_partials, prefix_kernel_config
+from .tree_attention import tree_attention
+
+PREFIX_BACKENDS = ("auto", "triton", "flashinfer_fold")
+
+# "auto" folds trees up to this size into FlashInfer's decode (when it fits); larger ones use Triton.
+DEFAULT_FOLD_MAX_TREE = int(os.environ.get("SGL_LONGGEN_FOLD_MAX_TREE", "32"))
+# Upper bound of the scratch space the folded path may allocate (FlashInfer plans it generously).
+DEFAULT_FOLD_WORKSPACE_MB = int(os.environ.get("SGL_LONGGEN_FOLD_WORKSPACE_MB", "1024"))
+
+
+class HybridTreeAttention:
+    """Plan/run wrapper for tree verification attention over a paged prefix.
+
+    Args:
+        num_qo_heads, num_kv_heads, head_dim: attention shape (``num_qo_heads % num_kv_heads == 0``).
+        device: where the kernels run.
+        prefix_backend: ``"triton"``, ``"flashinfer_fold"`` or ``"auto"`` (fold when FlashInfer
+            can serve the shape, the tree has at most ``fold_max_tree_size`` tokens and the
+            scratch space fits ``fold_workspace_mb``; Triton otherwise). Env default:
+            ``SGL_LONGGEN_PREFIX_BACKEND``.
+        use_cuda_graph: keep every launch shape independent of the prefix lengths; the folded
+            path then needs ``graph_kv_indptr_buf``/``graph_kv_indices_buf``, the device buffers
+            that ``plan`` will receive on every replay.
+        fold_workspace: a fixed uint8 scratch buffer for the folded path (shared between
+            CUDA-graph batch sizes); the path is used only when the plan fits in it.
+    """
+
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: Union[str, torch.device] = "cuda",
+        *,
+        prefix_backend: Optional[str] = None,
+        fold_max_tree_size: int = DEFAULT_FOLD_MAX_TREE,
+        fold_workspace_mb: int = DEFAULT_FOLD_WORKSPACE_MB,
+        use_cuda_graph: bool = False,
+        graph_kv_indptr_buf: Optional[torch.Tensor] = None,
+        graph_kv_indices_buf: Optional[torch.Tensor] = None,
+        fold_workspace: Optional[torch.Tensor] = None,
+    ) -> None:
+        if num_qo_heads % num_kv_heads:
+            raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
+        prefix_backend = prefix_backend or os.environ.get("SGL_LONGGEN_PREFIX_BACKEND", "auto")
+        if prefix_backend not in PREFIX_BACKENDS:
+            raise ValueError(f"prefix_backend must be one of {PREFIX_BACKENDS}, got {prefix_backend!r}")
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_qo_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        self.prefix_backend = prefix_backend
+        self.fold_max_tree_size = fold_max_tree_size
+        self.fold_workspace_bytes = fold_workspace_mb << 20
+        self.use_cuda_graph = use_cuda_graph
+        self._graph_bufs = (graph_kv_indptr_buf, graph_kv_indices_buf)
+        self._fold_workspace = fold_workspace
+        self._folded: Optional[FoldedPrefixDecode] = None
+        self._planned = False
+        self.path: Optional[str] = None  # "triton" or "flashinfer_fold" after plan()
+        self.prefix_config: Optional[PrefixKernelConfig] = None
+
+    # ------------------------------------------------------------------ plan
+    def plan(
+        self,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        tree_mask: torch.Tensor,
+        *,
+        sm_scale: Optional[float] = None,
+        q_dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: Optional[torch.dtype] = None,
+        prefix_lens_host: Optional[Sequence[int]] = None,
+        prefix_config: Optional[PrefixKernelConfig] = None,
+    ) -> str:
+        """Fix the metadata of one verification step (shared by all layers).
+
+        Args:
+            kv_indptr: ``[bs+1]`` int32 device tensor; kv_indices: int32 pool slots.
+            tree_mask: ``[bs, T, T]`` bool (or uint8) device tensor; kept by reference, so it
+                may be a persistent buffer refilled before each CUDA-graph replay.
+            prefix_lens_host: the prefix lengths on the host, if known without a sync: lets the
+                split count adapt to the longest prefix and rules out the folded path for empty
+                prefixes. Leave ``None`` under CUDA graphs.
+            prefix_config: explicit Triton launch shape (benchmarks, tuning).
+
+        Returns the chosen prefix path, ``"triton"`` or ``"flashinfer_fold"``.
+        """
+        if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
+            raise ValueError(f"tree_mask must be [bs, T, T], got {tuple(tree_mask.shape)}")
+        batch_size, tree_size = tree_mask.shape[0], tree_mask.shape[1]
+        if kv_indptr.numel() != batch_size + 1:
+            raise ValueError("kv_indptr must have bs+1 entries")
+        if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
+            raise ValueError("kv_indptr and kv_indices must be int32")
+        kv_dtype = kv_dtype or q_dtype
+        self.batch_size = batch_size
+        self.tree_size = tree_size
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.kv_indptr = kv_indptr
+        self.kv_indices = kv_indices
+        self.tree_mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+        self.path = self._choose_path(batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host)
+        if self.path == "flashinfer_fold":
+            self._fold().plan(kv_indptr, kv_indices, tree_size, sm_scale=self.sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        else:
+            max_len = max(prefix_lens_host) if prefix_lens_host and not self.use_cuda_graph else None
+            self.prefix_config = prefix_config or prefix_kernel_config(
+                batch_size, self.num_kv_heads, tree_size * self.group, self.head_dim, self.device, max_prefix_len=max_len
+            )
+        self._planned = True
+        return self.path
+
+    def _choose_path(self, batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host) -> str:
+        if self.prefix_backend == "triton":
+            return "triton"
+        can_fold = fold_supported(
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, tree_size, q_dtype, kv_dtype, self.device
+        )
+        if self.prefix_backend == "flashinfer_fold":
+            if not can_fold:
+                raise ValueError(
+                    f"the folded FlashInfer path cannot serve T={tree_size}, G={self.group}, "
+                    f"D={self.head_dim}, {q_dtype}/{kv_dtype} on {self.device}"
+                )
+            return "flashinfer_fold"
+        if not can_fold or tree_size > self.fold_max_tree_size:
+            return "triton"
+        if prefix_lens_host is not None and min(prefix_lens_host) < 1:
+            return "triton"  # FlashInfer's decode is not meant for empty KV
+        if self.use_cuda_graph and (self._graph_bufs[0] is None or self._fold_workspace is None):
+            return "triton"  # under graphs the folded path needs persistent buffers and scratch
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        need = workspace_bytes(batch_size, self.num_qo_heads, self.num_kv_heads, self.head_dim, tree_size, num_sms)
+        limit = self.fold_workspace_bytes if self._fold_workspace is None else self._fold_workspace.numel()
+        return "flashinfer_fold" if need <= limit else "triton"
+
+    def _fold(self) -> FoldedPrefixDecode:
+        if self._folded is None:
+            indptr_buf, indices_buf = self._graph_bufs
+            self._folded = FoldedPrefixDecode(
+                self.num_qo_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.device,
+                float_workspace=self._fold_workspace,
+                use_cuda_graph=self.use_cuda_graph,
+                kv_indptr_buf=indptr_buf,
+                kv_indices_buf=indices_buf,
+            )
+        return self._folded
+
+    # ------------------------------------------------------------------- run
+    def run(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        k_tree: torch.Tensor,
+        v_tree: torch.Tensor,
+        *,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        sm_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """Attention output ``[bs*T, Hq, D]`` (``q``'s dtype unless ``out`` is given).
+
+        ``lse`` (fp32 ``[bs*T, Hq]``), when given, receives the base-2 LSE of the whole row.
+        ``sm_scale`` overrides the planned scale on the Triton path (per-layer scales); the
+        folded path bakes the scale into FlashInfer's plan, so there it must match.
+        """
+        if not self._planned:
+            raise RuntimeError("plan() must be called before run()")
+        num_tokens = self.batch_size * self.tree_size
+        if q.shape != (num_tokens, self.num_qo_heads, self.head_dim):
+            raise ValueError(f"q must be [{num_tokens}, {self.num_qo_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        if out is None:
+            out = torch.empty_like(q)
+        if sm_scale is None:
+            sm_scale = self.sm_scale
+        if self.path == "flashinfer_fold":
+            if abs(sm_scale - self.sm_scale) > 1e-12 * max(1.0, abs(sm_scale)):
+                raise ValueError("the folded path was planned with a different sm_scale")
+            return self._run_folded(q, k_buffer, v_buffer, k_tree, v_tree, out, lse)
+        return self._run_triton(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
+
+    def _run_triton(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
+        cfg = self.prefix_config
+        num_tokens = q.shape[0]
+        # One fp32 state per KV chunk plus the tree part in the last slot, reduced in one pass.
+        part_o = torch.empty(
+            num_tokens, self.num_qo_heads, cfg.num_splits + 1, self.head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(num_tokens, self.num_qo_heads, cfg.num_splits + 1, dtype=torch.float32, device=q.device)
+        prefix_attention_partials(
+            q, k_buffer, v_buffer, self.kv_indptr, self.kv_indices, self.tree_size,
+            part_o, part_lse, sm_scale, cfg,
+        )
+        tree_attention(
+            q, k_tree, v_tree, self.tree_mask, sm_scale,
+            out=part_o[:, :, cfg.num_splits], lse=part_lse[:, :, cfg.num_splits],
+        )
+        merge_split_states(part_o, part_lse, out=out, out_lse=lse)
+        return out
+
+    def _run_folded(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse):
+        o_prefix, lse_prefix = self._folded.run(q, k_buffer, v_buffer)
+        o_tree = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        o_tree, lse_tree = tree_attention(q, k_tree, v_tree, self.tree_mask, self.sm_scale, out=o_tree)
+        T, G = self.tree_size, self.group
+        merge_two_states_strided(
+            o_prefix, lse_prefix, (folded_strides(o_prefix, T, G), folded_strides(lse_prefix, T, G)),
+            o_tree, lse_tree, (token_head_strides(o_tree, T, G), token_head_strides(lse_tree, T, G)),
+            out, lse, T, G,
+        )
+        return out
+
+
+def hybrid_tree_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor,
+    sm_scale: Optional[float] = None,
+    *,
+    prefix_backend: Optional[str] = None,
+    prefix_lens_host: Optional[Sequence[int]] = None,
+    prefix_config: Optional[PrefixKernelConfig] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """One-shot ``plan`` + ``run`` of :class:`HybridTreeAttention` (see the module docstring).
+
+    Returns ``o [bs*T, Hq, D]`` in ``q``'s dtype, and the base-2 LSE ``[bs*T, Hq]`` if asked.
+    """
+    attn = HybridTreeAttention(q.shape[1], k_buffer.shape[1], q.shape[2], q.device, prefix_backend=prefix_backend)
+    attn.plan(
+        kv_indptr, kv_indices, tree_mask, sm_scale=sm_scale, q_dtype=q.dtype, kv_dtype=k_buffer.dtype,
+        prefix_lens_host=prefix_lens_host, prefix_config=prefix_config,
+    )
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if return_lse else None
+    o = attn.run(q, k_buffer, v_buffer, k_tree, v_tree, lse=lse)
+    return (o, lse) if return_lse else o

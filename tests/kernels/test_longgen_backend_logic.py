@@ -1,0 +1,153 @@
+"""The ``longgen`` backend's TARGET_VERIFY logic on CPU (interpreted kernels, stand-in KV pool).
+
+Building a real ``FlashInferAttnBackend`` needs CUDA and a model runner, so the backend object is
+created without ``__init__`` and given only the state its verify path reads: the requests'
+``req_to_token`` rows, a KV pool, and the CUDA-graph buffers. Eager planning, CUDA-graph capture
+with a padded batch and a replay with new lengths and trees are checked against the fp32 reference.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, TOL, max_err
+from sgl_longgen.kernels.reference import random_tree_mask, tree_attention_reference
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU runs the real backend in engine_check")
+
+HQ, HKV, D, N = 8, 2, 32, 6  # heads, kv heads, head dim, draft tokens per request
+DTYPE = torch.float16
+
+
+class StandInPool:
+    """The two methods of SGLang's MHA pool that the verify path calls."""
+
+    def __init__(self, num_slots, g):
+        self.k = torch.randn(num_slots, HKV, D, generator=g).to(DTYPE)
+        self.v = torch.randn(num_slots, HKV, D, generator=g).to(DTYPE)
+
+    def set_kv_buffer(self, layer, loc, k, v, k_scale=None, v_scale=None):
+        self.k[loc.loc] = k.view(-1, HKV, D)
+        self.v[loc.loc] = v.view(-1, HKV, D)
+
+    def get_kv_buffer(self, layer_id):
+        return self.k, self.v
+
+
+def make_backend(max_bs=4, num_slots=9000, context=1024, seed=0):
+    from sgl_longgen.kernels.longgen_backend import LongGenAttnBackend
+
+    g = torch.Generator().manual_seed(seed)
+    be = LongGenAttnBackend.__new__(LongGenAttnBackend)
+    be._disabled = None
+    be._num_qo_heads, be._num_kv_heads, be._head_dim = HQ, HKV, D
+    be._dtype, be._device, be._check = DTYPE, torch.device("cpu"), False
+    be._eager_attn = None
+    be._graph_max_bs, be._graph_attn = max_bs, {}
+    be._graph_kv_indptr = be._graph_tree_mask = be._graph_fold_workspace = None
+    be.kv_cache_quant_method = SimpleNamespace(needs_global_scale=lambda: True)
+    # every request row holds distinct random slots; slot 0 is the padding slot, as in SGLang
+    perm = 1 + torch.randperm(num_slots - 1, generator=g)[: 8 * context].to(torch.int32)
+    be.req_to_token_pool = SimpleNamespace(req_to_token=perm.view(8, context).clone())
+    be.token_to_kv_pool = StandInPool(num_slots, g)
+    be.cuda_graph_kv_indices = [torch.zeros(max_bs * context, dtype=torch.int32)]
+    be.forward_metadata = None
+    return be, g
+
+
+def verify_batch(be, g, seq_lens, req_pool_indices, pad_to=None):
+    """A TARGET_VERIFY ForwardBatch as SGLang's NGRAM worker builds it (full-layout mask)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    bs = len(seq_lens)
+    trees = random_tree_mask(bs, N, generator=g)
+    flat = torch.cat([torch.cat([torch.ones(N, L, dtype=torch.bool), trees[b]], 1).flatten()
+                      for b, L in enumerate(seq_lens)])
+    rt = be.req_to_token_pool.req_to_token
+    out_loc = torch.cat([rt[r, L : L + N] for r, L in zip(req_pool_indices, seq_lens)]).long()
+    lens, rps = list(seq_lens), list(req_pool_indices)
+    if pad_to is not None:  # CUDA-graph padding: fill length 1, request row 0, KV to slot 0
+        lens += [1] * (pad_to - bs)
+        rps += [0] * (pad_to - bs)
+        out_loc = torch.cat([out_loc, torch.zeros((pad_to - bs) * N, dtype=torch.long)])
+    fb = SimpleNamespace(
+        batch_size=len(lens), forward_mode=ForwardMode.TARGET_VERIFY,
+        spec_info=SimpleNamespace(custom_mask=flat, draft_token_num=N, ragged_verify_layout=None),
+        seq_lens=torch.tensor(lens), seq_lens_cpu=torch.tensor(lens), seq_lens_sum=sum(lens),
+        req_pool_indices=torch.tensor(rps), out_cache_loc=out_loc,
+    )
+    return fb, trees
+
+
+def layer_inputs(g, num_tokens):
+    q = torch.randn(num_tokens, HQ * D, generator=g).to(DTYPE)
+    k = torch.randn(num_tokens, HKV, D, generator=g).to(DTYPE)
+    v = torch.randn(num_tokens, HKV, D, generator=g).to(DTYPE)
+    layer = SimpleNamespace(tp_q_head_num=HQ, tp_k_head_num=HKV, tp_v_head_num=HKV, head_dim=D, qk_head_dim=D,
+                            v_head_dim=D, scaling=2.0 / D**0.5, logit_cap=0.0, layer_id=0, k_scale=None, v_scale=None)
+    return q, k, v, layer
+
+
+def reference(be, fb, trees, q, k, v, layer, real_bs):
+    rt = be.req_to_token_pool.req_to_token
+    lens = fb.seq_lens_cpu[:real_bs].tolist()
+    indptr = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0).tolist()), dtype=torch.int32)
+    idx = torch.cat([rt[r, :L] for r, L in zip(fb.req_pool_indices[:real_bs].tolist(), lens)])
+    n = real_bs * N
+    o, _ = tree_attention_reference(q[:n].view(n, HQ, D), be.token_to_kv_pool.k, be.token_to_kv_pool.v, indptr, idx,
+                                    k[:n], v[:n], trees, layer.scaling)
+    return o
+
+
+def test_eager_verify_matches_reference():
+    be, g = make_backend()
+    fb, trees = verify_batch(be, g, [700, 1, 33], [5, 2, 7])
+    be.init_forward_metadata(fb)
+    q, k, v, layer = layer_inputs(g, 3 * N)
+    o = be.forward_extend(q, k, v, layer, fb)
+    assert o.shape == (3 * N, HQ * D)
+    # the draft tokens' K/V were written to the pool at out_cache_loc
+    assert torch.equal(be.token_to_kv_pool.k[fb.out_cache_loc], k)
+    ref = reference(be, fb, trees, q, k, v, layer, 3)
+    assert max_err(o.view(-1, HQ, D), ref) <= TOL[DTYPE]
+
+
+def test_cuda_graph_capture_then_replay_with_new_batch():
+    be, g = make_backend(max_bs=4)
+    fb, trees = verify_batch(be, g, [300, 12], [1, 3], pad_to=4)  # capture at padded bs 4
+    be.init_forward_metadata_out_graph(fb, in_capture=True)
+    captured = be.forward_metadata.attn
+    q, k, v, layer = layer_inputs(g, 4 * N)
+    o = be.forward_extend(q, k, v, layer, fb)
+    assert max_err(o.view(-1, HQ, D)[: 2 * N], reference(be, fb, trees, q, k, v, layer, 2)) <= TOL[DTYPE]
+    assert not torch.isnan(o).any()
+
+    # replay: other requests, other lengths and trees; same buffers and launch shapes
+    fb2, trees2 = verify_batch(be, g, [900, 2, 64], [6, 0, 4], pad_to=4)
+    config = captured.prefix_config
+    be.init_forward_metadata_out_graph(fb2, in_capture=False)
+    assert be.forward_metadata.attn is captured and captured.prefix_config == config
+    q, k, v, layer = layer_inputs(g, 4 * N)
+    o = be.forward_extend(q, k, v, layer, fb2)
+    assert max_err(o.view(-1, HQ, D)[: 3 * N], reference(be, fb2, trees2, q, k, v, layer, 3)) <= TOL[DTYPE]
+
+
+def test_tree_blocks_from_spec_info_take_precedence():
+    """Verify inputs that carry ``tree_mask [bs, N, N]`` (this project's) need no custom mask."""
+    be, g = make_backend()
+    fb, trees = verify_batch(be, g, [200, 50], [0, 1])
+    fb.spec_info = SimpleNamespace(custom_mask=None, tree_mask=trees, draft_token_num=N, ragged_verify_layout=None)
+    be.init_forward_metadata(fb)
+    q, k, v, layer = layer_inputs(g, 2 * N)
+    o = be.forward_extend(q, k, v, layer, fb)
+    assert max_err(o.view(-1, HQ, D), reference(be, fb, trees, q, k, v, layer, 2)) <= TOL[DTYPE]
+
+
+def test_replay_without_capture_is_an_error():
+    be, g = make_backend(max_bs=4)
+    fb, _ = verify_batch(be, g, [10], [0], pad_to=2)
+    with pytest.raises(RuntimeError):
+        be.init_forward_metadata_out_graph(fb, in_capture=False)

@@ -1,0 +1,62 @@
+"""SGLang's TARGET_VERIFY metadata (flat custom mask, req_to_token) to the hybrid's inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_longgen.kernels.reference import random_tree_mask
+from sgl_longgen.kernels.verify_metadata import custom_mask_layout, prefix_kv_indices, tree_mask_from_custom_mask
+
+
+def sglang_full_mask(seq_lens, trees):
+    """What SGLang's NGRAM/EAGLE verify builds: per request cat(ones(N, L), tree).flatten()."""
+    parts = []
+    for L, tree in zip(seq_lens, trees):
+        parts.append(torch.cat([torch.ones(tree.shape[0], L, dtype=torch.bool), tree], dim=1).flatten())
+    return torch.cat(parts)
+
+
+def test_full_layout_round_trip():
+    seq_lens = [7, 0, 130]
+    trees = random_tree_mask(3, 5, generator=torch.Generator().manual_seed(0))
+    flat = sglang_full_mask(seq_lens, trees)
+    lens = torch.tensor(seq_lens)
+    assert custom_mask_layout(flat.numel(), 3, 5, sum(seq_lens)) == "full"
+    got = tree_mask_from_custom_mask(flat, lens, 5, layout="full")
+    assert torch.equal(got, trees)
+    # the transpose would be wrong and is distinguishable
+    assert not torch.equal(got, trees.transpose(1, 2))
+
+
+def test_qlen_layout():
+    trees = random_tree_mask(2, 4, generator=torch.Generator().manual_seed(1))
+    flat = trees.flatten()
+    assert custom_mask_layout(flat.numel(), 2, 4, 100) == "qlen"
+    assert torch.equal(tree_mask_from_custom_mask(flat, torch.tensor([60, 40]), 4, layout="qlen"), trees)
+
+
+def test_padded_batch_rows_become_visible_and_reads_stay_in_range():
+    """CUDA-graph replays pad the batch beyond the mask's real requests."""
+    trees = random_tree_mask(2, 3, generator=torch.Generator().manual_seed(2))
+    flat = sglang_full_mask([4, 2], trees)
+    lens = torch.tensor([4, 2, 1, 1])  # two padding requests with the fill length
+    out = torch.zeros(4, 3, 3, dtype=torch.uint8)
+    tree_mask_from_custom_mask(flat, lens, 3, layout="full", out=out)
+    assert torch.equal(out[:2].bool(), trees)
+    assert out[2:].bool().all()
+
+
+def test_layout_size_mismatch_is_an_error():
+    with pytest.raises(ValueError):
+        custom_mask_layout(17, 2, 3, 5)
+
+
+def test_prefix_kv_indices():
+    req_to_token = torch.arange(5 * 20, dtype=torch.int32).reshape(5, 20) * 3
+    rp = torch.tensor([3, 0, 4])
+    lens = torch.tensor([5, 0, 11])
+    indptr, indices = prefix_kv_indices(req_to_token, rp, lens, 16)
+    assert indptr.tolist() == [0, 5, 5, 16]
+    expect = torch.cat([req_to_token[3, :5], req_to_token[4, :11]])
+    assert torch.equal(indices, expect)
