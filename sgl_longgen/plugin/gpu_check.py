@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     for L, prompt in long_prompts.items():
         out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens))
         meta = out["meta_info"]
-        mean = lambda k: statistics.fmean(meta[k][1:]) if len(meta.get(k, [])) > 1 else float("nan")
+        steps = lambda k: [x for x in meta.get(k, []) if x is not None][1:]  # first step: warm-up
+        mean = lambda k: statistics.fmean(steps(k)) if steps(k) else float("nan")
         row = {
             "context": L, "ar_step_ms": round(ar[L], 2),
             "draft_ms": round(mean("longgen_draft_ms"), 2), "verify_ms": round(mean("longgen_verify_ms"), 2),

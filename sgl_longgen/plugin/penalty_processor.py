@@ -36,3 +36,36 @@ class ContextualPenaltyProcessor(CustomLogitProcessor):
             mask = window_mask([window_tokens(history, [], window)], logits.shape[-1], logits.device)
             logits[row : row + 1] = apply_penalty(logits[row : row + 1], mask, theta)
         return logits
+
+
+PROCESSOR_KEY = "sgl_longgen.contextual_penalty"
+
+
+def add_to_sampling_info(info, reqs, settings) -> None:
+    """Give SGLang's sampler our penalty for the requests of a batch that ask for it.
+
+    On a server running our algorithms, ``settings(req)`` gives a request's ``(theta, window)``
+    (its ``custom_params`` or the server default). Wherever SGLang samples by itself (the first
+    token after prefill, requests decoded one exact token at a time) the penalty then applies
+    exactly as :class:`ContextualPenaltyProcessor` applies it on a plain server — without
+    enabling client-supplied processors on the server.
+    """
+    need = []
+    for i, req in enumerate(reqs):
+        if req.custom_logit_processor:
+            continue  # the client's own processor (ours or not) is SGLang's business
+        theta, window = settings(req)
+        if theta > 1.0 and window > 0:
+            need.append((i, theta, window))
+    if not need:
+        return
+    mask = torch.zeros(len(reqs), dtype=torch.bool)
+    mask[[i for i, _, _ in need]] = True
+    processors = dict(info.custom_logit_processor or {})
+    processors[hash(PROCESSOR_KEY)] = (ContextualPenaltyProcessor(), mask.to(info.device, non_blocking=True))
+    params = list(info.custom_params or [r.sampling_params.custom_params for r in reqs])
+    for i, theta, window in need:
+        params[i] = {**(params[i] or {}), "penalty": theta, "penalty_window": window, "__req__": reqs[i]}
+    info.custom_logit_processor = processors
+    info.custom_params = params
+    info.has_custom_logit_processor = True

@@ -115,6 +115,19 @@ def _skip_draft_config_lookup(speculative_algorithm, speculative_draft_model_pat
     return (speculative_algorithm, speculative_draft_model_path, *args), kwargs
 
 
+def _penalty_into_sampling_info(result, info, batch, vocab_size, *args, **kwargs):
+    """SGLang's own sampling applies our contextual penalty on servers running our algorithms."""
+    from .requests import active_penalty_defaults, penalty_settings
+
+    defaults = active_penalty_defaults()
+    if defaults is None:
+        return None
+    from .penalty_processor import add_to_sampling_info
+
+    add_to_sampling_info(info, batch.reqs, lambda req: penalty_settings(req, defaults))
+    return None
+
+
 def register_all() -> None:
     global _DONE
     if _DONE:
@@ -145,6 +158,8 @@ def register_all() -> None:
                           lambda self, *a, **k: _prepare_server_args(self), HookType.BEFORE)
     HookRegistry.register("sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias",
                           _skip_draft_config_lookup, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.adjusted_from_schedule_batch",
+                          _penalty_into_sampling_info, HookType.AFTER)
     if is_cpu():
         from . import cpu_ops
 

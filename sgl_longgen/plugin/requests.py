@@ -29,6 +29,20 @@ class PenaltyDefaults:
     window: int = 1024
 
 
+_active_defaults: PenaltyDefaults | None = None
+
+
+def activate_penalty_defaults(defaults: PenaltyDefaults) -> None:
+    """Called by our worker: this process serves one of our algorithms with these defaults."""
+    global _active_defaults
+    _active_defaults = defaults
+
+
+def active_penalty_defaults() -> PenaltyDefaults | None:
+    """The penalty defaults of the worker running in this process (None: no worker of ours)."""
+    return _active_defaults
+
+
 def penalty_settings(req, defaults: PenaltyDefaults) -> tuple[float, int]:
     """Contextual penalty of a request: its ``custom_params`` override the server's defaults."""
     params: dict[str, Any] = req.sampling_params.custom_params or {}

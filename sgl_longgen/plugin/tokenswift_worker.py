@@ -47,7 +47,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         self.partial_kv = PartialKVConfig(budget=self.ts.partial_kv.budget, sinks=self.ts.partial_kv.sinks,
                                           granularity="shared")
         sampling = draft.defaults.sampling
-        self.penalty_defaults = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
+        self.set_penalty_defaults(PenaltyDefaults(sampling.penalty, sampling.penalty_window))
         dtype = next(self.model.parameters()).dtype
         self.heads = load_heads(draft.path, hidden_size=draft.heads_config["hidden_size"],
                                 num_heads=self.ts.num_heads).to(device=self.device, dtype=dtype).eval()

@@ -36,7 +36,14 @@ from ..core.sampling import LogitsProcessor
 from ..core.tree import DraftTree
 from ..core.verify import Verdict, walk_tree
 from .penalty_processor import ContextualPenaltyProcessor
-from .requests import PenaltyDefaults, RequestState, request_tokens, sampling_config, tree_blocker
+from .requests import (
+    PenaltyDefaults,
+    RequestState,
+    activate_penalty_defaults,
+    request_tokens,
+    sampling_config,
+    tree_blocker,
+)
 from .spec_inputs import TreeVerifyInput, relay_input
 
 logger = logging.getLogger(__name__)
@@ -81,7 +88,11 @@ class TreeSpecWorker(BaseSpecWorker):
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
         backend = server_args.decode_attention_backend or server_args.attention_backend
         self.needs_full_mask = backend not in TREE_MASK_BACKENDS
-        self.penalty_defaults = PenaltyDefaults()
+        self.set_penalty_defaults(PenaltyDefaults())
+
+    def set_penalty_defaults(self, defaults: PenaltyDefaults) -> None:
+        self.penalty_defaults = defaults
+        activate_penalty_defaults(defaults)
 
     # -- SGLang's worker contract ---------------------------------------------------------------
 
@@ -216,11 +227,9 @@ class TreeSpecWorker(BaseSpecWorker):
         t3 = time.perf_counter()
 
         ms = lambda a, b: round((b - a) * 1e3, 3)
-        logits_output.customized_info = {
-            "longgen_draft_ms": [ms(t0, t1)] * bs,
-            "longgen_verify_ms": [ms(t1, t2)] * bs,
-            "longgen_overhead_ms": [ms(t2, t3)] * bs,
-        }
+        record_step_times(reqs, accept_lens_cpu.tolist(), {
+            "longgen_draft_ms": ms(t0, t1), "longgen_verify_ms": ms(t1, t2), "longgen_overhead_ms": ms(t2, t3),
+        })
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_token_ids,
@@ -321,3 +330,22 @@ class TreeSpecWorker(BaseSpecWorker):
             accept_index[b, : len(verdict.nodes)] = torch.tensor(verdict.nodes) + b * n
         compute_spec_v2_logprobs(batch, logits_output, predict.to(self.device), accept_index.to(self.device), n - 1)
 
+
+def record_step_times(reqs, accept_lens: list[int], values: dict[str, float]) -> None:
+    """Per-step timings into ``meta_info``, through the request's ``customized_info``.
+
+    SGLang streams ``customized_info`` as one entry per output token, so each step's value sits
+    on the first token it committed and the step's other tokens get None:
+    ``[x for x in meta_info["longgen_draft_ms"] if x is not None]`` is the per-step series.
+    """
+    for req, accepted in zip(reqs, accept_lens):
+        info = req.customized_info if req.customized_info is not None else {}
+        committed = len(req.output_ids)
+        for key, value in values.items():
+            series = info.setdefault(key, [])
+            if len(series) < committed:
+                series.extend([None] * (committed - len(series)))
+            del series[committed:]
+            series.append(value)
+            series.extend([None] * (accepted - 1))
+        req.customized_info = info

@@ -30,8 +30,9 @@ def test_greedy_outputs_are_identical_for_concurrent_requests(plain_engine, spec
         meta = g["meta_info"]
         # It really speculated: several tokens per verify step, and our step timings are reported.
         assert meta["spec_accept_length"] > 1.5
-        assert len(meta["longgen_draft_ms"]) == meta["spec_verify_ct"]
-        assert all(x >= 0 for x in meta["longgen_verify_ms"])
+        draft_ms = [x for x in meta["longgen_draft_ms"] if x is not None]
+        assert len(draft_ms) == meta["spec_verify_ct"]
+        assert all(x >= 0 for x in draft_ms)
 
 
 def test_greedy_with_the_contextual_penalty(plain_engine, spec_engine):
