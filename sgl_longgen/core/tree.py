@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from enum import IntFlag
 
+import numpy as np
 import torch
 
 
@@ -104,16 +105,23 @@ class DraftTree:
         out.reverse()
         return out
 
+    def ancestor_array(self, size: int | None = None) -> np.ndarray:
+        """``mask[i, j]``: node j is an ancestor of node i or i itself, as a numpy array.
+
+        ``size`` pads to a ``[size, size]`` block for engines that verify a fixed width.
+        """
+        n = len(self)
+        size = n if size is None else size
+        mask = np.zeros((size, size), dtype=np.bool_)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
     def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``mask[i, j]``: node j is an ancestor of node i or i itself (tree attention)."""
-        n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, i] = True
-            p = self.parents[i]
-            if p >= 0:
-                mask[i] |= mask[p]
-        return mask.to(device)
+        return torch.from_numpy(self.ancestor_array()).to(device)
 
     def positions(self, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every node: the root sits at ``start``."""

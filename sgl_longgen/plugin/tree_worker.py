@@ -24,6 +24,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
@@ -243,22 +244,24 @@ class TreeSpecWorker(BaseSpecWorker):
     def _verify_input(self, batch, steps: list[StepRequest], trees: list[DraftTree]) -> TreeVerifyInput:
         """Pad each trie to ``num_nodes``: padding nodes hang off the root and are never walked."""
         n, dev = self.num_nodes, self.device
-        tokens, depths, masks = [], [], []
-        for step, tree in zip(steps, trees):
+        bs = len(trees)
+        masks = np.zeros((bs, n, n), dtype=np.bool_)
+        tokens = np.empty((bs, n), dtype=np.int64)
+        depths = np.ones((bs, n), dtype=np.int64)
+        pad = np.arange(n)
+        for b, (step, tree) in enumerate(zip(steps, trees)):
             t = len(tree)
             if t > n:
                 raise RuntimeError(f"draft produced {t} nodes, more than speculative_num_draft_tokens={n}")
-            mask = torch.zeros(n, n, dtype=torch.bool)
-            mask[:t, :t] = tree.ancestor_mask()
-            pad = torch.arange(t, n)
-            mask[pad, pad] = True
-            mask[pad, 0] = True
-            masks.append(mask)
-            tokens.append(tree.tokens + [step.root] * (n - t))
-            depths.append(tree.depths + [1] * (n - t))
-        tree_mask = torch.stack(masks).to(dev)
-        draft_token = torch.tensor(tokens, dtype=torch.int64, device=dev).flatten()
-        positions = (batch.seq_lens.to(torch.int64)[:, None] + torch.tensor(depths, device=dev)).flatten()
+            masks[b] = tree.ancestor_array(n)
+            masks[b, pad[t:], pad[t:]] = True  # padding nodes: the root and themselves
+            masks[b, t:, 0] = True
+            tokens[b, :t] = tree.tokens
+            tokens[b, t:] = step.root
+            depths[b, :t] = tree.depths
+        tree_mask = torch.from_numpy(masks).to(dev)
+        draft_token = torch.from_numpy(tokens).flatten().to(dev)
+        positions = (batch.seq_lens.to(torch.int64)[:, None] + torch.from_numpy(depths).to(dev)).flatten()
         custom_mask = None
         if self.needs_full_mask:
             custom_mask = torch.cat([
