@@ -100,6 +100,55 @@ class TokenSwiftConfig(_Strict):
         return len(self.tree) - 1
 
 
+class OwlConfig(_Strict):
+    """OWL: an LSTM drafter conditioned on the last accepted state expands an EAGLE-style tree.
+
+    The tree is a beam over the drafter: ``top_k`` children per node and ``top_k`` frontier nodes
+    per level, ``depth`` levels, then the ``tree_size`` most likely nodes (by cumulative drafter
+    log-probability; the selection is closed under ancestors). ``tree_size`` counts *draft* nodes,
+    the root excluded. With ``spec`` on, the root and every draft node also get one [SPEC] leaf, so
+    the verify forward holds ``2 * tree_size + 2`` rows: the paper's "30 drafts + 30 [SPEC]" budget
+    is ``tree_size = 30``; without [SPEC], ``tree_size = 60`` gives the same verify width.
+    ``prefill_spec`` appends one [SPEC] after the prompt so the first round is conditioned on it
+    (off: the first round uses the drafter's learned null vector instead).
+    """
+
+    top_k: Annotated[int, Meta(ge=1, le=64)] = 10
+    depth: Annotated[int, Meta(ge=1, le=64)] = 8
+    tree_size: Annotated[int, Meta(ge=1, le=1024)] = 30
+    spec: bool = True
+    prefill_spec: bool = True
+
+
+class SuffixConfig(_Strict):
+    """SuffixDecoding's linear drafts: the most frequent continuation of the context's suffix.
+
+    Indexed: the request's prompt and output (and, with ``global_requests > 0``, the outputs of
+    the last ``global_requests`` finished requests; eviction is lazy, so up to twice that many
+    may be matched between rebuilds). A match of length p (p < ``max_depth``) may draft up to
+    ``min(max_spec_tokens, floor(max_spec_factor * p + max_spec_offset), max_depth - p)`` tokens;
+    drafting stops when the estimated probability of the path falls below ``min_token_prob``. The
+    score (sum of those probabilities) estimates the number of accepted tokens.
+    """
+
+    max_depth: Annotated[int, Meta(ge=2, le=1024)] = 64
+    max_spec_tokens: PosInt = 64
+    max_spec_factor: Annotated[float, Meta(ge=0.0)] = 2.0
+    max_spec_offset: float = 0.0
+    min_token_prob: Prob = 0.1
+    global_requests: NonNegInt = 0
+
+
+class HowlConfig(_Strict):
+    """HOWL: a linear suffix draft when its score exceeds ``threshold`` (c), else an OWL tree.
+
+    The default c = 9 is the longest acceptance an OWL tree of depth 8 can reach (8 drafts + the
+    bonus token), so the suffix path is taken only when it is expected to beat OWL's best case.
+    """
+
+    threshold: Annotated[float, Meta(ge=0.0)] = 9.0
+
+
 class RuntimeConfig(_Strict):
     """The pure-PyTorch reference runtime."""
 
@@ -113,12 +162,15 @@ class RuntimeConfig(_Strict):
 class GenerateConfig(_Strict):
     """Everything ``sgl-longgen generate`` needs besides the model and the prompt."""
 
-    method: Literal["ar", "tokenswift"] = "tokenswift"
+    method: Literal["ar", "tokenswift", "owl", "howl"] = "tokenswift"
     max_new_tokens: PosInt = 2048
     seed: int = 0
     ignore_eos: bool = False
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     tokenswift: TokenSwiftConfig = msgspec.field(default_factory=TokenSwiftConfig)
+    owl: OwlConfig = msgspec.field(default_factory=OwlConfig)
+    suffix: SuffixConfig = msgspec.field(default_factory=SuffixConfig)
+    howl: HowlConfig = msgspec.field(default_factory=HowlConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
 
 

@@ -29,11 +29,11 @@ def generate(tmp_path: Path, method: str, *extra: str, n: int = 2048) -> dict:
 @pytest.mark.parametrize(
     "extra",
     [
-        ("--model", "tiny"),
-        ("--model", "tiny", "--penalty", "1.2", "--penalty-window", "64"),
+        ("--model", "tiny-random"),
+        ("--model", "tiny-random", "--penalty", "1.2", "--penalty-window", "64"),
         ("--model", "tiny-qwen2"),  # Qwen2, GQA ratio 2 instead of 4
     ],
-    ids=["tiny", "tiny-penalty", "tiny-qwen2"],
+    ids=["tiny-random", "tiny-random-penalty", "tiny-qwen2"],
 )
 def test_generate_tokenswift_is_token_identical_to_ar(tmp_path, extra):
     ar = generate(tmp_path, "ar", *extra)
@@ -46,7 +46,7 @@ def test_generate_tokenswift_is_token_identical_to_ar(tmp_path, extra):
 
 
 def test_demo_reports_identical_outputs():
-    res = cli("demo", "--max-new-tokens", "1024")
+    res = cli("demo", "--model", "tiny-random", "--max-new-tokens", "1024")
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     row = next(line for line in lines if line.startswith("tokenswift"))
@@ -70,23 +70,26 @@ def test_missing_model_directory(tmp_path):
 def test_prompt_longer_than_the_context(tmp_path):
     prompt = tmp_path / "long.txt"
     prompt.write_text("x" * 17000)  # byte-level tokenizer: one token per byte; context 16384
-    line = one_error_line(cli("generate", "--prompt-file", str(prompt), "--max-new-tokens", "4"))
+    line = one_error_line(cli("generate", "--model", "tiny-random", "--prompt-file", str(prompt),
+                              "--max-new-tokens", "4"))
     assert "context" in line and "17001" in line
 
 
 def test_negative_penalty_window():
-    line = one_error_line(cli("generate", "--penalty-window", "-1", "--max-new-tokens", "4"))
+    line = one_error_line(cli("generate", "--model", "tiny-random", "--penalty-window", "-1", "--max-new-tokens", "4"))
     assert "penalty_window" in line
 
 
 def test_budget_larger_than_the_context():
-    line = one_error_line(cli("generate", "--method", "tokenswift", "--budget", "100000", "--max-new-tokens", "4"))
+    line = one_error_line(cli("generate", "--model", "tiny-random", "--method", "tokenswift", "--budget", "100000",
+                              "--max-new-tokens", "4"))
     assert "budget" in line and "16384" in line
 
 
 def test_heads_with_another_hidden_size(tmp_path):
     TokenSwiftHeads(64, 3).save(tmp_path / "heads")
-    line = one_error_line(cli("generate", "--method", "tokenswift", "--heads", str(tmp_path / "heads"),
+    line = one_error_line(cli("generate", "--model", "tiny-random", "--method", "tokenswift",
+                              "--heads", str(tmp_path / "heads"),
                               "--max-new-tokens", "4"))
     assert "hidden size 64" in line and "128" in line
 
@@ -94,7 +97,7 @@ def test_heads_with_another_hidden_size(tmp_path):
 def test_unknown_config_key_names_the_field(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[tokenswift.partial_kv]\nbudgett = 10\n")
-    line = one_error_line(cli("generate", "--config", str(cfg), "--max-new-tokens", "4"))
+    line = one_error_line(cli("generate", "--model", "tiny-random", "--config", str(cfg), "--max-new-tokens", "4"))
     assert "budgett" in line
 
 
@@ -102,10 +105,11 @@ def test_config_file_is_applied_and_flags_override_it(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("max_new_tokens = 7\n[sampling]\ntemperature = 0.0\n")
     out = tmp_path / "o.jsonl"
-    res = cli("generate", "--config", str(cfg), "--method", "ar", "--out", str(out))
+    res = cli("generate", "--model", "tiny-random", "--config", str(cfg), "--method", "ar", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert json.loads(out.read_text())["num_new_tokens"] == 7
-    res = cli("generate", "--config", str(cfg), "--method", "ar", "--max-new-tokens", "3", "--out", str(out))
+    res = cli("generate", "--model", "tiny-random", "--config", str(cfg), "--method", "ar", "--max-new-tokens", "3",
+              "--out", str(out))
     assert json.loads(out.read_text())["num_new_tokens"] == 3
 
 
@@ -113,7 +117,8 @@ def test_jsonl_prompt_file_gives_one_record_per_prompt(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "input_ids": [1, 2, 3]}\n')
     out = tmp_path / "o.jsonl"
-    res = cli("generate", "--prompt-file", str(prompts), "--max-new-tokens", "5", "--method", "ar", "--out", str(out))
+    res = cli("generate", "--model", "tiny-random", "--prompt-file", str(prompts), "--max-new-tokens", "5",
+              "--method", "ar", "--out", str(out))
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["a", "b"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import GenerateConfig, load_generate_config, load_toml, merge
 from ..errors import LonggenError
-from ..runtime import build_decoder, default_heads_dir, load_model, resolve_model
+from ..runtime import build_decoder, default_drafter_dir, default_heads_dir, load_model, resolve_model
 from ..runtime.embedded import names as embedded_names
 from ..runtime import heads_defaults_file
 from .progress import TokenProgress
@@ -21,6 +21,7 @@ DEFAULT_PROMPT = "def fibonacci(n):\n    "
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help=f"embedded model ({', '.join(embedded_names())}) or an HF checkpoint directory")
     p.add_argument("--heads", type=Path, help="TokenSwift heads directory (default: the model's own tokenswift-heads/)")
+    p.add_argument("--drafter", type=Path, help="OWL drafter directory for owl/howl (default: the model's own owl-drafter/)")
     p.add_argument("--config", type=Path, help="TOML config file (see configs/)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], help="reference runtime dtype")
 
@@ -43,9 +44,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate with the reference runtime (ar or tokenswift)")
+    p = sub.add_parser("generate", help="generate with the reference runtime (ar, tokenswift, owl or howl)")
     add_model_args(p)
-    p.add_argument("--method", choices=["ar", "tokenswift"])
+    p.add_argument("--method", choices=["ar", "tokenswift", "owl", "howl"])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="a text file (one prompt) or JSONL ({'id', 'prompt'|'input_ids'})")
@@ -86,7 +87,10 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve_config(args: argparse.Namespace, model_dir: Path, method: str | None = None) -> tuple[GenerateConfig, Path | None]:
-    """Defaults < the heads' longgen.toml < --config < flags. Returns the config and heads dir."""
+    """Defaults < the heads' longgen.toml < (owl/howl) the drafter's longgen.toml < --config < flags.
+
+    Returns the config and heads dir.
+    """
     overrides = overrides_from_args(args)
     if method is not None:
         overrides["method"] = method
@@ -95,11 +99,23 @@ def resolve_config(args: argparse.Namespace, model_dir: Path, method: str | None
     defaults = heads_defaults_file(heads_dir)
     if defaults is not None:
         base = load_toml(defaults)
-    if args.config is not None:
-        base = merge(base, load_toml(args.config))
-    if base:
-        overrides = merge(base, overrides)
-    return load_generate_config(None, overrides), heads_dir
+    config_file = load_toml(args.config) if args.config is not None else {}
+
+    def build(drafter_defaults: dict[str, Any]) -> GenerateConfig:
+        layers = merge(merge(base, drafter_defaults), config_file)
+        return load_generate_config(None, merge(layers, overrides) if layers else overrides)
+
+    config = build({})
+    if config.method in ("owl", "howl"):
+        drafter_defaults = heads_defaults_file(drafter_dir_for(args, model_dir))
+        if drafter_defaults is not None:
+            config = build(load_toml(drafter_defaults))
+    return config, heads_dir
+
+
+def drafter_dir_for(args: argparse.Namespace, model_dir: Path) -> Path | None:
+    """``--drafter`` or the model's own ``owl-drafter/``."""
+    return getattr(args, "drafter", None) or default_drafter_dir(model_dir)
 
 
 def read_prompts(args: argparse.Namespace, tokenizer) -> list[dict[str, Any]]:
@@ -141,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(config.runtime.threads)
-    decoder = build_decoder(loaded, config, heads_dir)
+    decoder = build_decoder(loaded, config, heads_dir, drafter_dir_for(args, model_dir))
     prompts = read_prompts(args, loaded.tokenizer)
 
     out = open(args.out, "w") if args.out else None

@@ -10,15 +10,18 @@ from pathlib import Path
 
 from ..config import GenerateConfig
 from ..core.heads import load_heads
+from ..core.owl import CONFIG_FILE as DRAFTER_CONFIG_FILE
+from ..core.owl import load_drafter
 from ..errors import LonggenError
 from .checkpoint import LoadedModel, load_model
 from .decoder import ARDecoder, Decoder, GenerationResult
-from .embedded import DEFAULTS_FILE, HEADS_SUBDIR, resolve_model
+from .embedded import DEFAULTS_FILE, DRAFTER_SUBDIR, HEADS_SUBDIR, resolve_model
+from .owl import HowlDecoder, OwlDecoder
 from .tokenswift import TokenSwiftDecoder
 
 __all__ = [
-    "ARDecoder", "Decoder", "GenerationResult", "LoadedModel", "TokenSwiftDecoder",
-    "build_decoder", "default_heads_dir", "load_model", "resolve_model",
+    "ARDecoder", "Decoder", "GenerationResult", "HowlDecoder", "LoadedModel", "OwlDecoder", "TokenSwiftDecoder",
+    "build_decoder", "default_drafter_dir", "default_heads_dir", "load_model", "resolve_model",
 ]
 
 
@@ -36,7 +39,16 @@ def heads_defaults_file(heads_dir: Path | None) -> Path | None:
     return f if f.is_file() else None
 
 
-def build_decoder(loaded: LoadedModel, config: GenerateConfig, heads_dir: Path | None = None) -> Decoder:
+def default_drafter_dir(model_dir: Path | None) -> Path | None:
+    """The OWL drafter shipped inside a model directory (embedded models have a random-init one)."""
+    if model_dir is None:
+        return None
+    d = Path(model_dir) / DRAFTER_SUBDIR
+    return d if d.is_dir() else None
+
+
+def build_decoder(loaded: LoadedModel, config: GenerateConfig, heads_dir: Path | None = None,
+                  drafter_dir: Path | None = None) -> Decoder:
     if config.method == "ar":
         return ARDecoder(loaded, config)
     if config.method == "tokenswift":
@@ -48,4 +60,16 @@ def build_decoder(loaded: LoadedModel, config: GenerateConfig, heads_dir: Path |
             )
         heads = load_heads(heads_dir, hidden_size=loaded.config.hidden_size, num_heads=config.tokenswift.num_heads)
         return TokenSwiftDecoder(loaded, config, heads)
+    if config.method in ("owl", "howl"):
+        drafter_dir = drafter_dir or default_drafter_dir(loaded.path)
+        if drafter_dir is None:
+            where = f" (none found in {Path(loaded.path) / DRAFTER_SUBDIR})" if loaded.path is not None else ""
+            raise LonggenError(f"{config.method} needs an OWL drafter: pass --drafter DIR{where}; "
+                               "train one with `sgl-longgen train owl`")
+        drafter = load_drafter(drafter_dir, hidden_size=loaded.config.hidden_size, vocab_size=loaded.config.vocab_size)
+        if config.owl.spec and not drafter.spec:
+            raise LonggenError(f"the OWL drafter in {drafter_dir} was trained without [SPEC] "
+                               f"({Path(drafter_dir) / DRAFTER_CONFIG_FILE}); set owl.spec = false")
+        cls = OwlDecoder if config.method == "owl" else HowlDecoder
+        return cls(loaded, config, drafter)
     raise LonggenError(f"unknown method {config.method!r}")

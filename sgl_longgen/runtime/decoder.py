@@ -32,6 +32,8 @@ class Stats:
     accepted: int = 0  # accepted draft tokens (bonus excluded)
     drafted: int = 0  # draft depth offered per step, summed (TokenSwift Eq. 4's gamma * T)
     ngram_steps: int = 0  # steps whose accepted path reached past the head tree via an n-gram
+    linear_steps: int = 0  # HOWL: steps that verified a linear suffix draft instead of an OWL tree
+    verify_tokens: int = 0  # rows through the verify forwards (draft nodes, root, [SPEC] leaves)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 

@@ -5,7 +5,7 @@ library, with trained TokenSwift heads) when the package ships it; the random-in
 fast tests. A random-init model is a deterministic function of its spec and seed, so
 every machine builds the same weights; the directory is a real HF checkpoint (config.json,
 model.safetensors, tokenizer.json) that SGLang can serve too, with TokenSwift heads and
-per-model defaults in ``tokenswift-heads/``.
+per-model defaults in ``tokenswift-heads/``, and a random-init OWL drafter in ``owl-drafter/``.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 from ..core.heads import TokenSwiftHeads
+from ..core.owl import OwlDrafter
 from ..errors import LonggenError
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 HEADS_SUBDIR = "tokenswift-heads"
+DRAFTER_SUBDIR = "owl-drafter"
 DEFAULTS_FILE = "longgen.toml"
 
 
@@ -35,8 +37,9 @@ class RandomSpec:
     config: dict
     seed: int
     defaults: str = ""
-    version: int = 1
+    version: int = 2  # 2: adds owl-drafter/ (the weights of version 1 are unchanged)
     heads: int = 3
+    owl_steps: int = 8  # the random-init OWL drafter: unroll length (sets alpha); width = hidden size
     extra: dict = field(default_factory=dict)
 
 
@@ -202,12 +205,18 @@ def build_random(target: Path, spec: RandomSpec) -> Path:
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": vocab - 2, "eos_token_id": vocab - 1}, indent=2) + "\n")
         gen = torch.Generator().manual_seed(spec.seed)
-        save_file(random_state(config, gen), str(tmp / "model.safetensors"))
+        state = random_state(config, gen)
+        save_file(state, str(tmp / "model.safetensors"))
         heads = TokenSwiftHeads(config["hidden_size"], spec.heads, config["rms_norm_eps"])
         heads.reset_parameters(gen)
         heads.save(tmp / HEADS_SUBDIR, base_model=target.name)
         if spec.defaults:
             (tmp / HEADS_SUBDIR / DEFAULTS_FILE).write_text(spec.defaults)
+        # A separate generator: the model and heads stay exactly what version 1 built.
+        owl_gen = torch.Generator().manual_seed(spec.seed + 1)
+        drafter = OwlDrafter(config["hidden_size"], vocab, config["hidden_size"], spec.owl_steps, spec=True)
+        drafter.reset_parameters(owl_gen, target_embeddings=state["model.embed_tokens.weight"])
+        drafter.save(tmp / DRAFTER_SUBDIR, base_model=target.name)
         try:
             tmp.rename(target)
         except OSError:

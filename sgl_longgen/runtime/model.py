@@ -231,16 +231,31 @@ class Transformer(nn.Module):
         c = self.config
         return KVCache(c.num_hidden_layers, c.n_kv_heads, c.dim_head, capacity, self.dtype, self.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, spec: ForwardSpec) -> torch.Tensor:
-        """Hidden states after the last decoder layer, *before* the final norm (``[T, d]``)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, spec: ForwardSpec,
+                extra_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the last decoder layer, *before* the final norm (``[T, d]``).
+
+        ``extra_embeddings`` (``[n, d]``) gives input-only tokens past the vocabulary: id
+        ``vocab_size + i`` embeds as row i (OWL's [SPEC] token). The LM head never outputs them.
+        """
         inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.to(torch.float64)[:, None] * inv_freq[None]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids, extra_embeddings)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, spec)
         return x
+
+    def embed(self, input_ids: torch.Tensor, extra_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings; ids from ``vocab_size`` on select rows of ``extra_embeddings``."""
+        if extra_embeddings is None:
+            return self.model.embed_tokens(input_ids)
+        V = self.config.vocab_size
+        extra = extra_embeddings.to(device=input_ids.device, dtype=self.model.embed_tokens.weight.dtype)
+        base = self.model.embed_tokens(input_ids.clamp(max=V - 1))
+        rows = extra[(input_ids - V).clamp(min=0, max=extra.shape[0] - 1)]
+        return torch.where((input_ids >= V)[..., None], rows, base)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Base LM head on pre-norm hidden states."""

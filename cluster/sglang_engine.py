@@ -1,0 +1,250 @@
+"""The SGLang engine adapter: ``sglang.Engine`` in-process in the actor, token ids in and out.
+
+It follows what ``ray.data.llm``'s SGLang stage does (engine inside the actor,
+``skip_tokenizer_init=True``, ``async_generate(stream=True)``, GPUs per actor = TP size) and adds
+what a 100K-token row needs: the stream is cut into :class:`Progress` deltas every
+``report_every`` tokens so the driver can checkpoint, and a resumed request is the original
+prompt plus its generated prefix, re-prefilled (SGLang's radix cache makes that cheap when the
+same engine served the first part).
+
+TokenSwift runs as SGLang's speculative algorithm ``TOKENSWIFT`` (this package's SGLang plugin),
+with the heads directory as the draft model path. The plugin reads the TokenSwift settings (tree,
+n-gram, partial KV, default penalty) from the ``longgen.toml`` in that directory, so the actor
+builds a draft directory of its own: links to the heads' files plus a ``longgen.toml`` holding the
+job's effective settings. The contextual penalty also rides on each request as ``custom_params``
+(with plain decoding, through the plugin's ``ContextualPenaltyProcessor``).
+
+``sglang`` is imported in the actor only, so the driver and the reference runtime never pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from ..config import GenerateConfig, to_dict
+from ..errors import LonggenError
+from .engines import effective_config, finished_early, ray_node
+from .messages import EngineInfo, Finished, Progress, Segment, Task
+
+ALGORITHM = "TOKENSWIFT"
+DEFAULTS_FILE = "longgen.toml"
+
+
+def engine_kwargs(model_path: str, draft_dir: str | None, config: GenerateConfig, tp_size: int,
+                  user: dict[str, Any]) -> dict[str, Any]:
+    """``sglang.Engine`` arguments; the job's ``[sglang] engine_kwargs`` win."""
+    kw: dict[str, Any] = {
+        "model_path": model_path,
+        "tp_size": tp_size,
+        "skip_tokenizer_init": True,  # token ids in and out; the actor tokenizes
+        "random_seed": config.seed,
+    }
+    if config.method == "tokenswift":
+        if draft_dir is None:
+            raise LonggenError(f"tokenswift needs draft heads: set `heads` in the job (none found beside {model_path})")
+        kw.update(speculative_algorithm=ALGORITHM, speculative_draft_model_path=draft_dir,
+                  disable_overlap_schedule=True)
+    elif config.sampling.penalty_active:
+        kw["enable_custom_logit_processor"] = True
+    kw.update(user)
+    return kw
+
+
+def request_args(config: GenerateConfig, max_new_tokens: int) -> dict[str, Any]:
+    """One request's ``async_generate`` arguments besides the input ids."""
+    s = config.sampling
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "min_p": s.min_p,
+        "ignore_eos": config.ignore_eos,
+        "no_stop_trim": True,  # keep the EOS token in output_ids, as the reference runtime does
+    }
+    args: dict[str, Any] = {"sampling_params": params}
+    if s.penalty_active:
+        params["custom_params"] = {"penalty": s.penalty, "penalty_window": s.penalty_window}
+        if config.method != "tokenswift":
+            from ..plugin.penalty_processor import ContextualPenaltyProcessor
+
+            args["custom_logit_processor"] = ContextualPenaltyProcessor.to_str()
+    return args
+
+
+def _toml(table: dict[str, Any], prefix: str = "") -> list[str]:
+    """A nested dict of numbers, booleans, strings and lists as TOML (JSON scalars are TOML scalars)."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    for k, v in table.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{prefix}{k}]", *_toml(v, f"{prefix}{k}.")]
+    return lines
+
+
+def draft_dir_for(heads_dir: Path, config: GenerateConfig) -> Path:
+    """The heads' files plus a ``longgen.toml`` with the job's effective TokenSwift settings."""
+    out = Path(tempfile.mkdtemp(prefix="sgl-longgen-draft-"))
+    for f in heads_dir.iterdir():
+        if f.name != DEFAULTS_FILE:
+            (out / f.name).symlink_to(f.resolve())
+    settings = {
+        "tokenswift": to_dict(config.tokenswift),
+        "sampling": {"penalty": config.sampling.penalty, "penalty_window": config.sampling.penalty_window},
+    }
+    (out / DEFAULTS_FILE).write_text("# Written by sgl-longgen batch: the job's TokenSwift settings.\n"
+                                     + "\n".join(_toml(settings)) + "\n")
+    return out
+
+
+def _finish_reason(meta: dict) -> tuple[str, str | None]:
+    fr = meta.get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind in ("length", "stop"):
+        return kind, None
+    message = fr.get("message") if isinstance(fr, dict) else None
+    return "error", f"sglang finished the request with {kind!r}" + (f": {message}" if message else "")
+
+
+class SGLangEngine:
+    """One ``sglang.Engine`` (one TP group) as a Ray async actor; many requests at once."""
+
+    def __init__(self, index: int, model: str, heads: str | None, generation: dict[str, Any], tp_size: int = 1,
+                 sglang_kwargs: dict[str, Any] | None = None):
+        from ..runtime import default_heads_dir, resolve_model
+        from ..runtime.embedded import ALIASES, SPECS
+
+        self.index = index
+        if model in SPECS or model in ALIASES or Path(model).is_dir():
+            model_dir: Path | None = resolve_model(model)
+            model_path = str(model_dir)
+        else:
+            model_dir, model_path = None, model  # a hub id: SGLang fetches it
+        heads_dir = Path(heads) if heads else (default_heads_dir(model_dir) if model_dir else None)
+        self.config = effective_config(generation, heads_dir)
+        self.tokenizer = self._tokenizer(model_dir, model_path)
+        self.eos_ids = self._eos_ids(model_dir)
+
+        draft = None
+        if self.config.method == "tokenswift" and heads_dir is not None:
+            draft = str(draft_dir_for(heads_dir, self.config))
+
+        import sglang  # heavy; only engine actors of this runtime import it
+
+        self.kwargs = engine_kwargs(model_path, draft, self.config, tp_size, dict(sglang_kwargs or {}))
+        self.engine = sglang.Engine(**self.kwargs)
+        self.incremental = bool(getattr(self.engine.server_args, "incremental_streaming_output", False))
+        self.tokens_generated = 0
+
+    @staticmethod
+    def _tokenizer(model_dir: Path | None, model_path: str):
+        if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+            from ..runtime.tokenizer import Tokenizer
+
+            return Tokenizer.from_dir(model_dir)
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(model_path)
+        except Exception:  # token-id-only jobs need no tokenizer
+            return None
+
+    @staticmethod
+    def _eos_ids(model_dir: Path | None) -> set[int]:
+        if model_dir is None:
+            return set()
+        try:
+            from ..runtime.checkpoint import read_config
+
+            return set(read_config(model_dir).eos_ids)
+        except LonggenError:
+            return set()
+
+    def info(self) -> EngineInfo:
+        node, gpus = ray_node()
+        return EngineInfo(index=self.index, runtime="sglang", node=node, pid=os.getpid(), gpus=gpus,
+                          config=to_dict(self.config))
+
+    def _text(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    async def generate(self, task: Task, report_every: int, report_seconds: float = 1.0) -> AsyncIterator[Progress | Finished]:
+        seg = Segment(engine=self.index, start=len(task.prefix))
+        if task.input_ids is not None:
+            prompt_ids = list(task.input_ids)
+        elif self.tokenizer is None:
+            yield Finished(id=task.id, new_tokens=[], segment=seg, finish_reason="error",
+                           error="the model has no tokenizer: give `input_ids` instead of `prompt`")
+            return
+        else:
+            prompt_ids = list(self.tokenizer.encode(task.prompt))
+        early = finished_early(task, self.eos_ids, self.config)
+        if early is not None:
+            yield Finished(id=task.id, new_tokens=[], segment=seg, finish_reason=early,
+                           text=self._text(task.prefix), prompt_tokens=len(prompt_ids))
+            return
+
+        args = request_args(self.config, task.max_new_tokens - len(task.prefix))
+        out_ids: list[int] = []
+        sent = 0
+        meta: dict = {}
+        t0 = time.perf_counter()
+        t_first: float | None = None
+        last = t0
+        try:
+            stream = await self.engine.async_generate(
+                input_ids=prompt_ids + list(task.prefix), stream=True, **args,
+                rid=f"{task.id}#{task.attempt}-{uuid.uuid4().hex[:8]}",
+            )
+            async for chunk in stream:
+                ids = chunk.get("output_ids") or []
+                # Cumulative mode hands over the same growing list each time: copy only the new
+                # tail, so a 100K-token stream stays O(n).
+                out_ids.extend(ids if self.incremental else ids[len(out_ids):])
+                meta = chunk.get("meta_info", {})
+                now = time.perf_counter()
+                if t_first is None and out_ids:
+                    t_first = now
+                if meta.get("finish_reason") is not None:
+                    break
+                n = len(out_ids)
+                if n - sent >= report_every or (now - last >= report_seconds and n > sent):
+                    yield Progress(id=task.id, new_tokens=out_ids[sent:n], segment=self._segment(seg, n, meta, t0, t_first, now))
+                    sent, last = n, now
+        except Exception as exc:  # noqa: BLE001 - e.g. CUDA OOM surfaced by the engine: fail fast, keep the tokens
+            self.tokens_generated += len(out_ids)
+            yield Finished(id=task.id, new_tokens=out_ids[sent:], finish_reason="error",
+                           segment=self._segment(seg, len(out_ids), meta, t0, t_first, time.perf_counter()),
+                           error=f"{type(exc).__name__}: {exc}", prompt_tokens=len(prompt_ids),
+                           text=self._text(list(task.prefix) + out_ids))
+            return
+        reason, error = _finish_reason(meta) if meta else ("error", "the stream ended without a finish reason")
+        self.tokens_generated += len(out_ids)
+        yield Finished(
+            id=task.id, new_tokens=out_ids[sent:], finish_reason=reason, error=error,
+            segment=self._segment(seg, len(out_ids), meta, t0, t_first, time.perf_counter()),
+            text=self._text(list(task.prefix) + out_ids), prompt_tokens=len(prompt_ids),
+            extra={k: meta[k] for k in ("spec_accept_length", "spec_accept_rate", "spec_verify_ct", "cached_tokens")
+                   if k in meta},
+        )
+
+    @staticmethod
+    def _segment(seg: Segment, n: int, meta: dict, t0: float, t_first: float | None, now: float) -> Segment:
+        steps = int(meta.get("spec_verify_ct") or 0) or max(n - 1, 0)
+        prefill = (t_first - t0) if t_first is not None else now - t0
+        return msgspec.structs.replace(
+            seg, tokens=n, steps=steps,
+            accepted=int(meta.get("spec_num_correct_drafts") or 0),
+            drafted=int(meta.get("spec_num_proposed_drafts") or 0),
+            prefill_seconds=prefill, decode_seconds=now - t0 - prefill,
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

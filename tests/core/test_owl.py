@@ -1,0 +1,254 @@
+"""OWL's drafter: the step equations, alpha, the null [SPEC] state, the checkpoint format, and the
+batched tree expansion (checked against a slow per-request reference)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_longgen.core.owl import (
+    CONFIG_FILE, WEIGHTS_FILE, OwlDrafter, attach_spec_leaves, beam_trees, embedding_scale, expand, load_drafter,
+    pool_size, propose, rms_scale, verify_width,
+)
+from sgl_longgen.core.tree import Source
+from sgl_longgen.errors import LonggenError
+
+torch.set_num_threads(1)
+
+D0, V, D = 12, 23, 10
+
+
+def drafter(spec: bool = True, seed: int = 0, n_steps: int = 4) -> OwlDrafter:
+    d = OwlDrafter(D0, V, D, n_steps, spec).double()
+    d.reset_parameters(torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # non-trivial norm parameters, so a swapped norm would show
+        for norm in (d.cell_norm, d.state_norm):
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed + 1))
+            norm.bias.uniform_(-0.3, 0.3, generator=torch.Generator().manual_seed(seed + 2))
+    return d
+
+
+def test_alpha_follows_the_reference_code_formula():
+    # owl.md §1.3: n=8, d=12288 -> ~23.58; Arctic's n=3, d=4096 -> ~23.07
+    assert embedding_scale(8, 12288) == pytest.approx(23.58, abs=0.01)
+    assert embedding_scale(3, 4096) == pytest.approx(23.07, abs=0.01)
+    a0 = 0.5 ** (0.5 / 5)
+    assert embedding_scale(5, 64) == pytest.approx(math.sqrt((1 - a0 * a0) * 64 / 2) / a0)
+    assert drafter(n_steps=4).alpha == pytest.approx(embedding_scale(4, D))
+
+
+def _norm(x, w, b, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w + b
+
+
+def test_step_matches_the_sum_lstm_equations_with_gate_order_f_i_o_c():
+    d = drafter()
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(5, 2 * D0, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, V, (5,), generator=g)
+    nxt = torch.randint(0, V, (5,), generator=g)
+    state, cell = d.step(x0, tokens, first=True)
+    state2, cell2 = d.step(state, nxt, cell)
+
+    def reference(x, tok, z, proj):
+        pre = x @ proj.T + d.alpha * d.embedding.weight[tok].repeat(1, 4)
+        f, i, o, c = pre.split(D, dim=-1)
+        cand = F.gelu(_norm(c, d.cell_norm.weight, d.cell_norm.bias)) * torch.sigmoid(i)
+        z = cand if z is None else z * torch.sigmoid(f) + cand
+        return F.gelu(_norm(z, d.state_norm.weight, d.state_norm.bias)) * torch.sigmoid(o), z
+
+    ref_state, ref_cell = reference(x0, tokens, None, d.proj0.weight)
+    ref_state2, ref_cell2 = reference(ref_state, nxt, ref_cell, d.proj1.weight)
+    assert torch.allclose(state, ref_state) and torch.allclose(cell, ref_cell)
+    assert torch.allclose(state2, ref_state2) and torch.allclose(cell2, ref_cell2)
+    assert state.shape == (5, D) and d.head(state).shape == (5, V)
+
+
+def test_first_input_scales_both_states_and_uses_the_null_vector_without_spec():
+    d = drafter()
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(3, D0, generator=g, dtype=torch.float64) * 7
+    hs = torch.randn(3, D0, generator=g, dtype=torch.float64) * 0.1
+    x = d.first_input(h, hs, torch.tensor([True, False, True]))
+    assert x.shape == (3, 2 * D0)
+    assert torch.allclose(x[:, :D0].pow(2).mean(-1), torch.full((3,), 0.5, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(x[0, D0:], rms_scale(hs[0])) and torch.allclose(x[2, D0:], rms_scale(hs[2]))
+    assert torch.equal(x[1, D0:], d.null_spec.detach())
+    assert torch.equal(d.first_input(h)[:, D0:], d.null_spec.detach().expand(3, D0))
+    nospec = drafter(spec=False)
+    assert nospec.first_input(h, hs).shape == (3, D0)
+    assert nospec.proj0.weight.shape == (4 * D, D0) and not hasattr(nospec, "spec_embedding")
+
+
+def test_unroll_feeds_each_step_its_own_state_and_cell():
+    d = drafter()
+    g = torch.Generator().manual_seed(5)
+    h, hs = torch.randn(2, D0, generator=g, dtype=torch.float64), torch.randn(2, D0, generator=g, dtype=torch.float64)
+    toks = torch.randint(0, V, (2, 4), generator=g)
+    states = d.unroll(h, toks, hs)
+    s, c = d.step(d.first_input(h, hs), toks[:, 0], first=True)
+    assert torch.allclose(states[0], s)
+    for j in range(1, 4):
+        s, c = d.step(s, toks[:, j], c)
+        assert torch.allclose(states[j], s)
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint
+
+
+def test_checkpoint_round_trip(tmp_path):
+    d = drafter().float()
+    d.save(tmp_path / "ck", base_model="x")
+    cfg = json.loads((tmp_path / "ck" / CONFIG_FILE).read_text())
+    assert cfg["spec"] is True and cfg["width"] == D and cfg["base_model"] == "x"
+    back = load_drafter(tmp_path / "ck", hidden_size=D0, vocab_size=V)
+    for (k, a), (k2, b) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    assert back.alpha == d.alpha and back.spec and not back.training
+
+
+def _error(path, **kw) -> str:
+    with pytest.raises(LonggenError) as exc:
+        load_drafter(path, **kw)
+    return str(exc.value)
+
+
+def test_loader_errors_name_the_file(tmp_path):
+    assert "not found" in _error(tmp_path / "nope")
+    ck = tmp_path / "ck"
+    drafter().float().save(ck)
+    cfg_path, weights = ck / CONFIG_FILE, ck / WEIGHTS_FILE
+    assert str(cfg_path) in _error(ck, hidden_size=D0 + 1)
+    assert str(cfg_path) in _error(ck, vocab_size=V + 1)
+
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "width": D + 2}))
+    msg = _error(ck)
+    assert str(weights) in msg and "shape" in msg
+    cfg_path.write_text(json.dumps({**cfg, "spec": False}))
+    assert "unexpected tensors" in _error(ck)
+    cfg_path.write_text(json.dumps({**cfg, "format": "something-else"}))
+    assert "not an OWL drafter config" in _error(ck)
+    cfg_path.write_text(json.dumps({**cfg, "n_steps": 0}))
+    assert "n_steps" in _error(ck)
+    cfg_path.write_text("{not json")
+    assert str(cfg_path) in _error(ck)
+    cfg_path.write_text(json.dumps(cfg))
+    weights.write_bytes(b"garbage")
+    assert str(weights) in _error(ck)
+    weights.unlink()
+    assert str(weights) in _error(ck)
+    cfg_path.unlink()
+    assert str(cfg_path) in _error(ck)
+
+
+# ------------------------------------------------------------------------------------------------
+# tree expansion
+
+
+def reference_tree(d: OwlDrafter, h, hs, root, K, depth, N):
+    """The EAGLE-2 beam written per node with plain Python lists (slow, obvious)."""
+    x = d.first_input(h[None], None if hs is None else hs[None])
+    state, cell = d.step(x, torch.tensor([root]), first=True)
+    lp = torch.log_softmax(d.head(state)[0], -1)
+    pool = []  # (score, token, parent pool index, depth)
+    frontier = []  # (pool index, score, token, state, cell)
+    top = lp.topk(K)
+    for s, t in zip(top.values.tolist(), top.indices.tolist()):
+        pool.append((s, t, -1, 1))
+        frontier.append((len(pool) - 1, s, t, state, cell))
+    for level in range(2, depth + 1):
+        cands = []
+        for idx, s, t, st, ce in frontier:
+            st2, ce2 = d.step(st, torch.tensor([t]), ce)
+            lp = torch.log_softmax(d.head(st2)[0], -1)
+            top = lp.topk(K)
+            for cs, ct in zip(top.values.tolist(), top.indices.tolist()):
+                pool.append((s + cs, ct, idx, level))
+                cands.append((len(pool) - 1, s + cs, ct, st2, ce2))
+        cands.sort(key=lambda c: -c[1])  # stable: ties keep creation order
+        frontier = cands[:K]
+    order = sorted(range(len(pool)), key=lambda i: -pool[i][0])[:N]
+    return sorted(order), pool
+
+
+@pytest.mark.parametrize("K,depth,N", [(3, 4, 10), (4, 3, 100), (2, 5, 1), (5, 1, 3)])
+def test_expand_matches_the_per_node_reference(K, depth, N):
+    d = drafter(seed=K)
+    g = torch.Generator().manual_seed(10 + K)
+    B = 3
+    h = torch.randn(B, D0, generator=g, dtype=torch.float64)
+    hs = torch.randn(B, D0, generator=g, dtype=torch.float64)
+    has = torch.tensor([True, False, True])
+    roots = [1, 7, 22]
+    beam = expand(d, h, roots, hs, has, top_k=K, depth=depth, tree_size=N)
+    assert beam.size == min(N, pool_size(K, depth))
+    for b in range(B):
+        sel, pool = reference_tree(d, h[b], hs[b] if has[b] else None, roots[b], K, depth, N)
+        pos = {p: i for i, p in enumerate(sel)}
+        assert beam.tokens[b].tolist() == [pool[p][1] for p in sel]
+        assert beam.depths[b].tolist() == [pool[p][3] for p in sel]
+        assert beam.parents[b].tolist() == [pos[pool[p][2]] if pool[p][2] >= 0 else -1 for p in sel]
+        assert torch.allclose(beam.scores[b], torch.tensor([pool[p][0] for p in sel], dtype=beam.scores.dtype))
+
+
+def test_expanded_trees_are_closed_under_ancestors_and_bounded():
+    d = drafter(seed=9)
+    g = torch.Generator().manual_seed(2)
+    B, K, depth, N = 6, 4, 5, 17
+    h = torch.randn(B, D0, generator=g, dtype=torch.float64)
+    roots = torch.randint(0, V, (B,), generator=g)
+    beam = expand(d, h, roots, top_k=K, depth=depth, tree_size=N)
+    for b in range(B):
+        parents, depths, scores = beam.parents[b].tolist(), beam.depths[b].tolist(), beam.scores[b].tolist()
+        for i, p in enumerate(parents):
+            assert p < i  # parents before children (and selected: closed under ancestors)
+            assert depths[i] == (1 if p < 0 else depths[p] + 1) <= depth
+            if p >= 0:
+                assert scores[p] >= scores[i]
+    trees = beam_trees(beam, roots)
+    for b, tree in enumerate(trees):
+        assert len(tree) == N + 1 and tree.tokens[0] == int(roots[b])
+        assert all(src == Source.LSTM for src in tree.sources[1:])
+        assert tree.tokens[1:] == beam.tokens[b].tolist()
+        assert [p - 1 for p in tree.parents[1:]] == beam.parents[b].tolist()
+    again = propose(d, h, None, roots, top_k=K, depth=depth, tree_size=N)
+    assert [t.tokens for t in again] == [t.tokens for t in trees]
+
+
+def test_expand_is_batch_independent():
+    d = drafter(seed=4)
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(4, D0, generator=g, dtype=torch.float64)
+    hs = torch.randn(4, D0, generator=g, dtype=torch.float64)
+    has = torch.tensor([True, False, False, True])
+    roots = [3, 3, 9, 0]
+    both = expand(d, h, roots, hs, has, top_k=3, depth=3, tree_size=8)
+    for b in range(4):
+        one = expand(d, h[b : b + 1], roots[b : b + 1], hs[b : b + 1], has[b : b + 1], top_k=3, depth=3, tree_size=8)
+        assert torch.equal(one.tokens[0], both.tokens[b]) and torch.equal(one.parents[0], both.parents[b])
+
+
+def test_spec_leaves_follow_every_node_and_are_never_children():
+    d = drafter(seed=1)
+    (tree,) = propose(d, torch.randn(1, D0, dtype=torch.float64), None, [4], top_k=3, depth=3, tree_size=7)
+    n = len(tree)
+    spec_token = int(tree.tokens[1])  # collides with a real draft token on purpose
+    leaves = attach_spec_leaves(tree, spec_token)
+    assert leaves == list(range(n, 2 * n)) and len(tree) == 2 * n == verify_width(7, True)
+    mask = tree.ancestor_mask()
+    positions = tree.positions(100).tolist()
+    for node, leaf in enumerate(leaves):
+        assert tree.parents[leaf] == node and tree.sources[leaf] == Source.SPEC
+        assert leaf not in tree.children[node].values()
+        assert positions[leaf] == positions[node] + 1
+        assert mask[leaf].nonzero().flatten().tolist() == sorted(tree.path_nodes(node) + [leaf])
+        assert mask[:, leaf].nonzero().flatten().tolist() == [leaf]  # nothing else attends to a leaf
+    assert tree.child(0, spec_token) == 1  # the walk still finds the real node with that token
+    with pytest.raises(ValueError):
+        attach_spec_leaves(tree, spec_token)

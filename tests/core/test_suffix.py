@@ -1,0 +1,192 @@
+"""SuffixDecoding's index: the drafts equal a brute-force reading of the suffix-tree semantics, the
+index grows incrementally, separate sequences never bleed into each other, the global index keeps
+finished outputs (FIFO), and a 100K-token history stays fast."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+from sgl_longgen.config import SuffixConfig
+from sgl_longgen.core.suffix import SENTINEL, SuffixCache, SuffixIndex
+
+
+def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: int, factor: float,
+                offset: float, min_prob: float) -> tuple[list[int], float, int]:
+    """The depth-limited suffix tree's path draft, computed by scanning the whole array each time.
+
+    count(g) = occurrences of g; a step goes to the most frequent continuation (ties: the one
+    seen last), prob *= count(g + t) / count(g); budget min(max_tokens, factor * p + offset,
+    max_depth - p); the best score wins, ties to the longer match.
+    """
+    n = len(arr)
+    ctx = context[-(max_depth - 1):]
+    best = ([], 0.0, 0)
+    for p in range(1, len(ctx) + 1):
+        g = ctx[-p:]
+        ends = [e for e in range(p, n + 1) if arr[e - p : e] == g]
+        if not ends:
+            break
+        budget = min(max_tokens, int(p * factor + offset + 1e-6), max_depth - p)
+        tokens, score, prob, count = [], 0.0, 1.0, len(ends)
+        while len(tokens) < budget:
+            stats: dict[int, list[int]] = {}
+            for e in ends:
+                if e < n and arr[e] != SENTINEL:
+                    entry = stats.setdefault(arr[e], [0, -1])
+                    entry[0] += 1
+                    entry[1] = max(entry[1], e)
+            if not stats:
+                break
+            tok = max(stats, key=lambda t: (stats[t][0], stats[t][1]))
+            c = stats[tok][0]
+            if prob * c / count < min_prob:
+                break
+            prob = prob * c / count
+            tokens.append(tok)
+            score += prob
+            ends = [e + 1 for e in ends if e < n and arr[e] == tok]
+            count = c
+        if tokens and (score > best[1] or (score == best[1] and p > best[2])):
+            best = (tokens, score, p)
+    return best
+
+
+def random_sequence(rng: random.Random, length: int, vocab: int) -> list[int]:
+    """Random text with repeats: pieces copied from earlier parts."""
+    out: list[int] = []
+    while len(out) < length:
+        if out and rng.random() < 0.5:
+            start = rng.randrange(len(out))
+            out.extend(out[start : start + rng.randint(2, 12)])
+        else:
+            out.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 5)))
+    return out[:length]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_drafts_match_the_brute_force_semantics(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        vocab = rng.randint(2, 6)
+        D = rng.choice([3, 5, 8, 64])
+        params = dict(max_spec_tokens=rng.choice([4, 16, 64]), max_spec_factor=rng.choice([0.5, 1.0, 2.0, 4.0]),
+                      max_spec_offset=rng.choice([0.0, 1.0]), min_token_prob=rng.choice([0.0, 0.1, 0.4]))
+        index = SuffixIndex(D)
+        arr: list[int] = []
+        for part in range(rng.randint(1, 3)):  # several sequences: the global index's layout
+            if part:
+                index.end_sequence()
+                arr.append(SENTINEL)
+            seq = random_sequence(rng, rng.randint(5, 150), vocab)
+            index.extend(seq)
+            arr.extend(seq)
+        own_tail = [t for t in arr[-20:] if t != SENTINEL]  # a local query: the context is indexed
+        foreign = random_sequence(rng, 12, vocab)  # a global query: it is not
+        for context in (own_tail, foreign):
+            draft = index.speculate(context, **params)
+            tokens, score, p = brute_force(arr, context, D, params["max_spec_tokens"], params["max_spec_factor"],
+                                           params["max_spec_offset"], params["min_token_prob"])
+            assert draft.tokens == tokens
+            assert draft.score == pytest.approx(score)
+            if tokens:
+                assert draft.match_len == p
+                assert len(draft.probs) == len(tokens) and all(params["min_token_prob"] <= q <= 1 for q in draft.probs)
+
+
+def test_incremental_extension_equals_bulk_indexing():
+    rng = random.Random(3)
+    seq = random_sequence(rng, 3000, 7)
+    bulk, step = SuffixIndex(32), SuffixIndex(32)
+    bulk.extend(seq)
+    i = 0
+    while i < len(seq):
+        n = rng.choice([1, 2, 5, 100])  # both the per-token and the grouped append path
+        step.extend(seq[i : i + n])
+        i += n
+    assert len(bulk) == len(step) == len(seq)
+    for cut in (10, 500, 2999, 3000):
+        ctx = seq[:cut]
+        a, b = bulk.speculate(ctx, 32, 2.0), step.speculate(ctx, 32, 2.0)
+        assert (a.tokens, a.score) == (b.tokens, b.score)
+
+
+def test_a_repeated_block_is_drafted_in_full_within_the_budget():
+    rng = random.Random(5)
+    block = [rng.randrange(1000) for _ in range(30)]
+    seq = [rng.randrange(1000) for _ in range(50)] + block * 5 + block[:7]
+    index = SuffixIndex(64)
+    index.extend(seq)
+    draft = index.speculate(seq, max_spec_tokens=64, max_spec_factor=2.0)
+    expected = (block * 3)[7:]
+    assert draft.tokens == expected[: len(draft.tokens)]
+    assert len(draft.tokens) <= min(64, 2 * draft.match_len, 64 - draft.match_len)
+    assert draft.score > 20  # four earlier copies: every token is predicted with probability >= 4/5
+    assert index.speculate(seq, max_spec_tokens=5, max_spec_factor=2.0).tokens == expected[:5]
+    short = index.speculate(seq, max_spec_factor=0.1)  # budget floor(0.1 p) and 64 - p: at most 5
+    assert 1 <= len(short.tokens) <= 5 and short.tokens == expected[: len(short.tokens)]
+
+
+def test_sequences_do_not_bleed_into_each_other():
+    index = SuffixIndex(16)
+    index.extend([1, 2, 3])
+    index.end_sequence()
+    index.extend([4, 5, 6])
+    assert index.speculate([9, 3], max_spec_factor=8.0).tokens == []  # 3 ends a sequence
+    assert index.speculate([9, 2], max_spec_factor=8.0).tokens == [3]
+    assert index.speculate([9, 4], max_spec_factor=8.0).tokens == [5, 6]
+    with pytest.raises(ValueError):
+        index.extend([-1])
+
+
+def test_cache_local_and_global_indexes():
+    cfg = SuffixConfig(max_spec_factor=4.0, global_requests=1, min_token_prob=0.0)
+    cache = SuffixCache(cfg)
+    story = [7, 8, 9, 10, 11, 12]
+    cache.start_request("a", [1, 2, 3])
+    cache.extend("a", story)
+    assert cache.speculate("a", [1, 2, 3, *story]).tokens == []  # nothing followed 12 yet
+    cache.extend("a", [1, 2])
+    assert cache.speculate("a", [1, 2, 3, 7, 8, 9, 10, 11, 12, 1, 2]).tokens[:6] == [3, 7, 8, 9, 10, 11]
+    cache.stop_request("a")
+    with pytest.raises(KeyError):
+        cache.extend("a", [1])
+    cache.start_request("b", [50, 51])
+    assert cache.speculate("b", [50, 51, 7, 8]).tokens[:4] == [9, 10, 11, 12]  # from a's output
+    cache.extend("b", [60, 61, 62])
+    cache.stop_request("b")  # global_requests = 1; eviction is lazy: up to 2 outputs stay
+    cache.start_request("c", [0])
+    assert cache.speculate("c", [0, 7, 8]).tokens[:2] == [9, 10]
+    cache.extend("c", [70, 71])
+    cache.stop_request("c")  # a third output: rebuilt with the last one only
+    cache.start_request("d", [0])
+    assert cache.speculate("d", [0, 7, 8]).tokens == [] and cache.speculate("d", [0, 60]).tokens == []
+    assert cache.speculate("d", [0, 70]).tokens == [71]
+    off = SuffixCache(SuffixConfig(max_spec_factor=4.0))
+    off.start_request("a", [])
+    off.extend("a", story)
+    off.stop_request("a")
+    off.start_request("b", [0])
+    assert off.speculate("b", [0, 7, 8]).tokens == []  # no global index by default
+
+
+def test_long_history_stays_fast():
+    rng = np.random.default_rng(0)
+    text = (rng.zipf(1.3, 100_000) % 5000).tolist()
+    block = rng.integers(0, 5000, 40).tolist()
+    history = text + block * 200
+    index = SuffixIndex(64)
+    t = time.perf_counter()
+    for lo in range(0, len(history), 4096):
+        index.extend(history[lo : lo + 4096])
+    t_index = time.perf_counter() - t
+    t = time.perf_counter()
+    drafts = [index.speculate(history[: len(history) - k], 64, 2.0) for k in range(20)]
+    drafts += [index.speculate(text[: len(text) - k], 64, 2.0) for k in range(20)]
+    t_query = (time.perf_counter() - t) / 40
+    assert all(len(d.tokens) >= 30 for d in drafts[:20])  # the repeated block is found
+    # Generous bounds for a loaded machine (typically ~0.05 s and ~3 ms).
+    assert t_index < 5.0 and t_query < 0.25, (t_index, t_query)
