@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import LonggenError
 from .nn import RMSNorm
+from .weights import check_shapes, expected_shapes, header_shapes
 
 FORMAT = "sgl-longgen.tokenswift-heads"
 CONFIG_FILE = "heads.json"
@@ -99,41 +100,39 @@ def read_heads_config(directory: str | Path) -> dict:
     return cfg
 
 
+def check_heads(directory: str | Path, hidden_size: int | None = None, num_heads: int | None = None) -> dict:
+    """Validate a heads checkpoint against the model it will run on, reading only file headers."""
+    directory = Path(directory)
+    cfg = read_heads_config(directory)
+    cfg_path = directory / CONFIG_FILE
+    if hidden_size is not None and cfg["hidden_size"] != hidden_size:
+        raise LonggenError(
+            f"heads in {directory} have hidden size {cfg['hidden_size']} but the model's is {hidden_size} ({cfg_path})"
+        )
+    if num_heads is not None and cfg["num_heads"] < num_heads:
+        raise LonggenError(
+            f"heads in {directory} provide {cfg['num_heads']} heads but the tree needs {num_heads} ({cfg_path})"
+        )
+    weights = directory / WEIGHTS_FILE
+    expected = expected_shapes(lambda: TokenSwiftHeads(cfg["hidden_size"], cfg["num_heads"]))
+    check_shapes(header_shapes(weights), expected, weights, cfg_path)
+    return cfg
+
+
 def load_heads(
     directory: str | Path,
     hidden_size: int | None = None,
     num_heads: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> TokenSwiftHeads:
-    """Load and check a heads checkpoint against the model it will run on."""
+    """Load a heads checkpoint after :func:`check_heads`."""
     directory = Path(directory)
-    cfg = read_heads_config(directory)
-    if hidden_size is not None and cfg["hidden_size"] != hidden_size:
-        raise LonggenError(
-            f"heads in {directory} have hidden size {cfg['hidden_size']} but the model's is {hidden_size} "
-            f"({directory / CONFIG_FILE})"
-        )
-    if num_heads is not None and cfg["num_heads"] < num_heads:
-        raise LonggenError(
-            f"heads in {directory} provide {cfg['num_heads']} heads but the tree needs {num_heads} "
-            f"({directory / CONFIG_FILE})"
-        )
+    cfg = check_heads(directory, hidden_size, num_heads)
     weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise LonggenError(f"heads checkpoint is missing {weights}")
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise LonggenError(f"cannot read {weights}: {exc}") from None
     heads = TokenSwiftHeads(cfg["hidden_size"], cfg["num_heads"], cfg.get("rms_norm_eps", 1e-6))
-    expected = heads.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise LonggenError(f"{weights} lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
-    for key, value in expected.items():
-        if tuple(state[key].shape) != tuple(value.shape):
-            raise LonggenError(
-                f"{weights}: tensor {key} has shape {tuple(state[key].shape)}, expected {tuple(value.shape)}"
-            )
-    heads.load_state_dict({k: state[k] for k in expected})
+    heads.load_state_dict({k: state[k] for k in heads.state_dict()})
     return heads.to(dtype)

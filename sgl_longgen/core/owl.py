@@ -45,6 +45,7 @@ from torch import nn
 
 from ..errors import LonggenError
 from .tree import DraftTree, Source
+from .weights import check_shapes, expected_shapes, header_shapes
 
 FORMAT = "sgl-longgen.owl-drafter"
 VERSION = 1
@@ -248,13 +249,8 @@ def read_drafter_config(directory: str | Path) -> dict:
     return cfg
 
 
-def load_drafter(
-    directory: str | Path,
-    hidden_size: int | None = None,
-    vocab_size: int | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> OwlDrafter:
-    """Load and check a drafter checkpoint against the target it will run on."""
+def check_drafter(directory: str | Path, hidden_size: int | None = None, vocab_size: int | None = None) -> dict:
+    """Validate a drafter checkpoint against its target, reading only file headers."""
     directory = Path(directory)
     cfg = read_drafter_config(directory)
     cfg_path = directory / CONFIG_FILE
@@ -265,28 +261,30 @@ def load_drafter(
         raise LonggenError(f"OWL drafter in {directory} has vocabulary {cfg['vocab_size']} but the model's is "
                            f"{vocab_size} ({cfg_path})")
     weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise LonggenError(f"OWL drafter checkpoint is missing {weights}")
+    check_shapes(header_shapes(weights), expected_shapes(lambda: _build(cfg)), weights, cfg_path, exact=True)
+    return cfg
+
+
+def _build(cfg: dict) -> OwlDrafter:
+    return OwlDrafter(cfg["hidden_size"], cfg["vocab_size"], cfg["width"], cfg["n_steps"], cfg["spec"],
+                      float(cfg.get("norm_eps", 1e-6)))
+
+
+def load_drafter(
+    directory: str | Path,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> OwlDrafter:
+    """Load a drafter checkpoint after :func:`check_drafter`."""
+    directory = Path(directory)
+    cfg = check_drafter(directory, hidden_size, vocab_size)
+    weights = directory / WEIGHTS_FILE
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise LonggenError(f"cannot read {weights}: {exc}") from None
-    with torch.device("meta"):
-        shape = OwlDrafter(cfg["hidden_size"], cfg["vocab_size"], cfg["width"], cfg["n_steps"], cfg["spec"],
-                           float(cfg.get("norm_eps", 1e-6)))
-    expected = {k: tuple(v.shape) for k, v in shape.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise LonggenError(f"{weights} lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''} "
-                           f"(does {cfg_path} match it?)")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise LonggenError(f"{weights} has unexpected tensors {unexpected[:4]} (does {cfg_path} match it?)")
-    for key, want in expected.items():
-        if tuple(state[key].shape) != want:
-            raise LonggenError(f"{weights}: tensor {key} has shape {tuple(state[key].shape)}, {cfg_path} implies {want}")
-    drafter = OwlDrafter(cfg["hidden_size"], cfg["vocab_size"], cfg["width"], cfg["n_steps"], cfg["spec"],
-                         float(cfg.get("norm_eps", 1e-6)))
+    drafter = _build(cfg)
     drafter.load_state_dict(state)
     return drafter.to(dtype).eval().requires_grad_(False)
 

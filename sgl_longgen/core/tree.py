@@ -37,6 +37,7 @@ class DraftTree:
         self.depths: list[int] = [0]
         self.sources: list[Source] = [Source.NONE]
         self.children: list[dict[int, int]] = [{}]
+        self.num_walkable = 1  # nodes before the first leaf added with add_leaf
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -50,6 +51,8 @@ class DraftTree:
         token = int(token)
         node = self.children[parent].get(token)
         if node is None:
+            if self.num_walkable != len(self.tokens):
+                raise ValueError("walkable nodes must be added before leaves")
             node = len(self.tokens)
             self.tokens.append(token)
             self.parents.append(parent)
@@ -57,6 +60,7 @@ class DraftTree:
             self.sources.append(source)
             self.children.append({})
             self.children[parent][token] = node
+            self.num_walkable += 1
         else:
             self.sources[node] |= source
         return node
@@ -64,7 +68,8 @@ class DraftTree:
     def add_leaf(self, parent: int, token: int, source: Source) -> int:
         """A node that is never merged with a sibling of the same token (e.g. a [SPEC] leaf).
 
-        It is not registered as a child, so the verification walk can never move into it.
+        It is not registered as a child, so the verification walk can never move into it. Leaves
+        come after every walkable node: nodes ``[0, num_walkable)`` are the ones a walk can visit.
         """
         node = len(self.tokens)
         self.tokens.append(int(token))

@@ -1,9 +1,10 @@
 """The directory behind ``--speculative-draft-model-path``: checked before the server starts.
 
-For TOKENSWIFT it holds the heads checkpoint (``heads.json`` + ``heads.safetensors``) and an
-optional ``longgen.toml`` with per-checkpoint defaults (tree, n-gram, partial KV, penalty). Every
-problem is reported naming the file, while the server is still starting, instead of as a
-tensor-shape error deep inside a scheduler process.
+TOKENSWIFT reads a heads checkpoint (``heads.json`` + ``heads.safetensors``), OWL and HOWL an LSTM
+drafter (``owl.json`` + ``owl.safetensors``); either may carry a ``longgen.toml`` with the
+checkpoint's defaults (tree, n-gram, partial KV, OWL/suffix/HOWL settings, penalty). Every problem
+is reported naming the file while the server is still starting, instead of as a tensor-shape
+error deep inside a scheduler process. Only file headers are read here.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError, safe_open
-
 from ..config import GenerateConfig, convert, load_toml
-from ..core.heads import CONFIG_FILE, WEIGHTS_FILE, TokenSwiftHeads, read_heads_config
+from ..core.heads import check_heads
+from ..core.owl import check_drafter
 from ..errors import LonggenError
 
 DEFAULTS_FILE = "longgen.toml"
@@ -25,21 +24,18 @@ DEFAULTS_FILE = "longgen.toml"
 @dataclass
 class DraftDir:
     path: Path
-    heads_config: dict
-    defaults: GenerateConfig  # only .tokenswift and .sampling.penalty* matter to the server
+    checkpoint: dict  # heads.json or owl.json
+    defaults: GenerateConfig  # the server reads its method tables and sampling.penalty*
 
 
-def target_hidden_size(model_path: str | Path) -> int | None:
-    """hidden_size from the target's config.json (None when it cannot be read here)."""
+def target_config(model_path: str | Path) -> dict:
+    """The target's config.json (its text part for multimodal configs); {} when unreadable here."""
     cfg = Path(model_path) / "config.json"
-    if not cfg.is_file():
-        return None
     try:
         data = json.loads(cfg.read_text())
     except (OSError, json.JSONDecodeError):
-        return None
-    data = data.get("text_config", data)
-    return data.get("hidden_size")
+        return {}
+    return data.get("text_config", data)
 
 
 def read_defaults(path: Path) -> GenerateConfig:
@@ -49,36 +45,27 @@ def read_defaults(path: Path) -> GenerateConfig:
     return convert(load_toml(f), GenerateConfig, str(f))
 
 
-def inspect_heads_draft_dir(path: str | Path | None, hidden_size: int | None) -> DraftDir:
-    """Validate a TokenSwift heads directory without loading the weights."""
+def _require(path: str | Path | None, algorithm: str, files: str) -> Path:
     if path is None:
-        raise LonggenError("TOKENSWIFT needs --speculative-draft-model-path: a directory with heads.json and heads.safetensors")
-    path = Path(path)
-    cfg = read_heads_config(path)
-    if hidden_size is not None and cfg["hidden_size"] != hidden_size:
-        raise LonggenError(
-            f"{path / CONFIG_FILE}: heads have hidden size {cfg['hidden_size']} but the target model's is {hidden_size}"
-        )
+        raise LonggenError(f"{algorithm} needs --speculative-draft-model-path: a directory with {files}")
+    return Path(path)
+
+
+def inspect_heads_draft_dir(path: str | Path | None, model_path: str | Path) -> DraftDir:
+    """TOKENSWIFT: heads that fit the target and the tree of their defaults."""
+    path = _require(path, "TOKENSWIFT", "heads.json and heads.safetensors")
+    defaults = read_defaults(path) if path.is_dir() else GenerateConfig()
+    cfg = check_heads(path, target_config(model_path).get("hidden_size"), defaults.tokenswift.num_heads)
+    return DraftDir(path, cfg, defaults)
+
+
+def inspect_owl_draft_dir(path: str | Path | None, model_path: str | Path) -> DraftDir:
+    """OWL / HOWL: an LSTM drafter for the target's hidden size and vocabulary."""
+    path = _require(path, "OWL", "owl.json and owl.safetensors")
+    target = target_config(model_path)
+    cfg = check_drafter(path, target.get("hidden_size"), target.get("vocab_size"))
     defaults = read_defaults(path)
-    need = defaults.tokenswift.num_heads
-    if cfg["num_heads"] < need:
-        raise LonggenError(
-            f"{path / CONFIG_FILE}: {cfg['num_heads']} heads, but the tree {defaults.tokenswift.tree} "
-            f"in {path / DEFAULTS_FILE} needs {need}"
-        )
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        raise LonggenError(f"heads checkpoint is missing {weights}")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in TokenSwiftHeads(cfg["hidden_size"], cfg["num_heads"]).state_dict().items()}
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (SafetensorError, OSError) as exc:
-        raise LonggenError(f"cannot read {weights}: {exc}") from None
-    for key, shape in expected.items():
-        if key not in found:
-            raise LonggenError(f"{weights} lacks tensor {key}")
-        if found[key] != shape:
-            raise LonggenError(f"{weights}: tensor {key} has shape {found[key]}, {CONFIG_FILE} implies {shape}")
+    if defaults.owl.spec and not cfg["spec"]:
+        raise LonggenError(f"{path / 'owl.json'}: the drafter was trained without [SPEC]; "
+                           f"set [owl] spec = false in {path / DEFAULTS_FILE}")
     return DraftDir(path, cfg, defaults)

@@ -7,7 +7,9 @@ A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift he
    at the first differing position is reported (dummy weights give flat distributions; a
    difference at a bf16-level near-tie is kernel rounding, not the method);
 2. step-time breakdown at each ``--contexts`` length: TOKENSWIFT's draft / verify / overhead ms
-   per step (our workers report them in ``meta_info``) next to one plain decode step.
+   per step (our workers report them in ``meta_info``) next to one plain decode step;
+3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, depth 8, top-k 10,
+   30 nodes) for one request, next to the plain decode step at the first context length.
 
     python -m sgl_longgen.plugin.gpu_check --out results.json
 """
@@ -81,6 +83,33 @@ def top2_gap(meta: dict, position: int) -> float | None:
     return float(tops[position][0][0] - tops[position][1][0])
 
 
+def owl_drafter_ms(width: int, iters: int = 50) -> float:
+    """Median CUDA-event time of one OWL tree expansion for an 8B-shaped target, batch 1."""
+    import torch
+
+    from ..core.owl import OwlDrafter, expand
+
+    torch.manual_seed(0)
+    d0, vocab = LLAMA_8B["hidden_size"], LLAMA_8B["vocab_size"]
+    drafter = OwlDrafter(d0, vocab, width, n_steps=8, spec=True).to("cuda", torch.bfloat16).eval()
+    h = torch.randn(1, d0, device="cuda", dtype=torch.bfloat16)
+    root = torch.tensor([1234], device="cuda")
+    run = lambda: expand(drafter, h, root, h, torch.tensor([True]), top_k=10, depth=8, tree_size=30)
+    for _ in range(5):
+        run()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del drafter
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("tokenswift_gpu_check.json"))
@@ -93,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="flashinfer")
     p.add_argument("--mem-fraction", type=float, default=0.8)
     p.add_argument("--no-cuda-graph", action="store_true", help="TOKENSWIFT engine without CUDA graphs")
+    p.add_argument("--owl-width", type=int, default=4096, help="OWL drafter width for the drafting-cost check")
     args = p.parse_args(argv)
 
     rng = random.Random(0)
@@ -154,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['context']:>8} {r['ar_step_ms']:>7} {r['draft_ms']:>7} {r['verify_ms']:>7} {r['overhead_ms']:>9}"
               f" {r['draft_vs_ar']:>9} {r['verify_vs_ar']:>10}")
+    first = args.contexts[0]
+    owl_ms = owl_drafter_ms(args.owl_width)
+    report["owl_drafter"] = {"width": args.owl_width, "ms": round(owl_ms, 3),
+                             "vs_ar": round(owl_ms / ar[first], 3), "ar_context": first}
+    print(f"OWL drafter (width {args.owl_width}, depth 8, top-k 10, 30 nodes): {owl_ms:.3f} ms = "
+          f"{owl_ms / ar[first]:.3f}x an AR step at {first}")
     args.out.write_text(json.dumps(report, indent=2))
     return 0
 

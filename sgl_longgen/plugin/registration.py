@@ -1,51 +1,72 @@
 """What :func:`sgl_longgen.plugin.register` installs into SGLang.
 
-* the speculative algorithms (``--speculative-algorithm TOKENSWIFT``), each with a
-  ``CustomSpecAlgo`` subclass that adds the members SGLang 0.5.17's scheduler calls and picks
-  defaults for ``speculative_num_steps / eagle_topk / num_draft_tokens``;
+* the speculative algorithms (``--speculative-algorithm TOKENSWIFT | OWL | HOWL``), each with a
+  ``CustomSpecAlgo`` subclass that adds the members SGLang 0.5.17's scheduler calls;
 * a check of ``--speculative-draft-model-path`` that runs when the server arguments are built,
-  so a bad draft directory stops startup with a message naming the file;
+  so a bad draft directory stops startup with a message naming the file, and that defaults
+  ``speculative_num_draft_tokens / num_steps / eagle_topk`` from the draft's own settings;
 * the ``longgen_torch`` attention backend (and ``longgen`` when the kernels are importable);
 * on CPU only, PyTorch stand-ins for the ``sgl_kernel`` CPU ops.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 _DONE = False
 
 
+@dataclass(frozen=True)
 class _Algorithm:
-    """Per-algorithm facts the registration needs."""
+    """What registration needs to know of one of our algorithms."""
 
-    def __init__(self, name: str, factory, tree_depth: int, branching: int, num_draft_tokens: int, check_draft):
-        self.name = name
-        self.factory = factory
-        self.tree_depth = tree_depth
-        self.branching = branching
-        self.num_draft_tokens = num_draft_tokens
-        self.check_draft = check_draft
+    name: str
+    worker: str  # "module:Class" under sgl_longgen.plugin, imported only by a scheduler
+    inspect: Callable  # (draft path, model path) -> DraftDir; raises LonggenError
+    widths: Callable  # DraftDir -> (num_draft_tokens, num_steps, eagle_topk) defaults
 
-
-def _tokenswift_worker(server_args):
-    from .tokenswift_worker import TokenSwiftWorker
-
-    return TokenSwiftWorker
+    def factory(self, server_args):
+        module, cls = self.worker.split(":")
+        return getattr(importlib.import_module(f"sgl_longgen.plugin.{module}"), cls)
 
 
-def _check_tokenswift_draft(server_args) -> None:
-    from .draft_dir import inspect_heads_draft_dir, target_hidden_size
+def _inspect(kind: str):
+    def inspect(path, model_path):
+        from . import draft_dir
 
-    inspect_heads_draft_dir(server_args.speculative_draft_model_path, target_hidden_size(server_args.model_path))
+        return getattr(draft_dir, f"inspect_{kind}_draft_dir")(path, model_path)
+
+    return inspect
+
+
+def _tokenswift_widths(draft) -> tuple[int, int, int]:
+    # The [1,3,3,3] head tree has 41 nodes; 64 leaves room for n-gram paths.
+    tree = draft.defaults.tokenswift.tree
+    return 64, len(tree), max(tree)
+
+
+def _owl_widths(draft) -> tuple[int, int, int]:
+    from ..core.owl import verify_width
+
+    o = draft.defaults.owl
+    return verify_width(o.tree_size, o.spec), o.depth, o.top_k
+
+
+def _howl_widths(draft) -> tuple[int, int, int]:
+    width, depth, top_k = _owl_widths(draft)
+    # Steps x top-k sizes SGLang's per-step KV reserve; the linear chains fit in the width.
+    return max(width, draft.defaults.suffix.max_spec_tokens + 1), depth, top_k
 
 
 ALGORITHMS = {
-    # The [1,3,3,3] head tree has 41 nodes; 64 leaves room for n-gram paths.
-    "TOKENSWIFT": _Algorithm("TOKENSWIFT", _tokenswift_worker, tree_depth=4, branching=3, num_draft_tokens=64,
-                             check_draft=_check_tokenswift_draft),
+    "TOKENSWIFT": _Algorithm("TOKENSWIFT", "tokenswift_worker:TokenSwiftWorker", _inspect("heads"), _tokenswift_widths),
+    "OWL": _Algorithm("OWL", "owl_worker:OwlWorker", _inspect("owl"), _owl_widths),
+    "HOWL": _Algorithm("HOWL", "owl_worker:HowlWorker", _inspect("owl"), _howl_widths),
 }
 
 
@@ -78,13 +99,6 @@ def _spec_class(algo: _Algorithm):
             return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
         def handle_server_args(self, server_args) -> None:
-            if server_args.speculative_num_draft_tokens is None:
-                server_args.speculative_num_draft_tokens = algo.num_draft_tokens
-            if server_args.speculative_num_steps is None:
-                server_args.speculative_num_steps = algo.tree_depth
-            if server_args.speculative_eagle_topk is None:
-                # > 1 keeps SGLang's backends on their tree-mask (not chain) verify path.
-                server_args.speculative_eagle_topk = algo.branching
             server_args.enable_mixed_chunk = False
 
     LonggenSpecAlgo.__name__ = f"{algo.name.title()}SpecAlgo"
@@ -100,9 +114,17 @@ def _prepare_server_args(server_args) -> None:
     from ..errors import LonggenError
 
     try:
-        algo.check_draft(server_args)
+        draft = algo.inspect(server_args.speculative_draft_model_path, server_args.model_path)
     except LonggenError as exc:
         raise ValueError(f"{name}: {exc}") from None
+    width, steps, top_k = algo.widths(draft)
+    if server_args.speculative_num_draft_tokens is None:
+        server_args.speculative_num_draft_tokens = width
+    if server_args.speculative_num_steps is None:
+        server_args.speculative_num_steps = steps
+    if server_args.speculative_eagle_topk is None:
+        # > 1 keeps SGLang's backends on their tree-mask (not chain) verify path.
+        server_args.speculative_eagle_topk = max(2, top_k)
     if not server_args.disable_overlap_schedule:
         logger.info("%s runs on the synchronous scheduler: disabling overlap scheduling", name)
         server_args.disable_overlap_schedule = True

@@ -24,7 +24,7 @@ from ..core.sampling import LogitsProcessor
 from ..core.tree import DraftTree, Source, cartesian_paths
 from ..core.verify import Verdict
 from .capture import ImportanceScorer, PreNormCapture
-from .draft_dir import inspect_heads_draft_dir, target_hidden_size
+from .draft_dir import inspect_heads_draft_dir
 from .requests import PenaltyDefaults
 from .spec_inputs import PartialDraftInput
 from .tree_worker import StepRequest, TreeSpecWorker
@@ -39,8 +39,7 @@ class TokenSwiftState:
 class TokenSwiftWorker(TreeSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **kwargs):
         super().__init__(server_args, gpu_id, nccl_port, target_worker, **kwargs)
-        draft = inspect_heads_draft_dir(server_args.speculative_draft_model_path,
-                                        target_hidden_size(server_args.model_path))
+        draft = inspect_heads_draft_dir(server_args.speculative_draft_model_path, server_args.model_path)
         self.ts = draft.defaults.tokenswift
         # The engine passes one KV index list per request to the attention backend, so the
         # selection is shared by all layers and heads (scores summed over them).
@@ -49,7 +48,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         sampling = draft.defaults.sampling
         self.set_penalty_defaults(PenaltyDefaults(sampling.penalty, sampling.penalty_window))
         dtype = next(self.model.parameters()).dtype
-        self.heads = load_heads(draft.path, hidden_size=draft.heads_config["hidden_size"],
+        self.heads = load_heads(draft.path, hidden_size=draft.checkpoint["hidden_size"],
                                 num_heads=self.ts.num_heads).to(device=self.device, dtype=dtype).eval()
         self.lm_head_weight = self.model.lm_head.weight
         self.capture = PreNormCapture(self.model)

@@ -70,8 +70,9 @@ class StepRequest:
 
 
 class TreeSpecWorker(BaseSpecWorker):
-    # Leave room for a method's own per-node outputs (e.g. OWL reads hidden states).
-    capture_hidden_mode = CaptureHiddenMode.NULL
+    # What the target forwards must also return (OWL reads hidden states).
+    capture_hidden_mode = CaptureHiddenMode.NULL  # verify
+    prefill_capture_mode: CaptureHiddenMode | None = None  # prefill (None: SGLang's default)
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **kwargs):
         super().__init__()
@@ -125,8 +126,14 @@ class TreeSpecWorker(BaseSpecWorker):
     def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:
         """One trie per request (at most ``num_nodes`` nodes), root = the request's last token."""
 
+    def after_extend(self, batch, result) -> None:
+        """Read what a prefill forward produced besides the first tokens (hidden states)."""
+
+    def prepare_verify(self, batch, steps: list[StepRequest], trees: list[DraftTree]) -> None:
+        """Last changes to the verify batch before the forward (e.g. input embedding overrides)."""
+
     def after_verify_forward(self, steps: list[StepRequest], spec: TreeVerifyInput, logits_output) -> None:
-        """Read what the verify forward produced besides logits (scores, hidden states)."""
+        """Read what the verify forward produced besides logits (hidden states)."""
 
     def after_commit(self, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
         """Update method state with the committed tokens (``step.history`` already extended)."""
@@ -137,7 +144,8 @@ class TreeSpecWorker(BaseSpecWorker):
         """Prefill (or any non-decode batch): a plain target step, exactly SGLang's sampling."""
         for req in batch.reqs:
             self.states.pop(req.rid, None)  # a (re-)prefilled request starts its speculation afresh
-        res = self._target_worker.forward_batch_generation(batch)
+        res = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=self.prefill_capture_mode)
+        self.after_extend(batch, res)
         bs, n = len(batch.reqs), self.num_nodes
         new_seq_lens = batch.seq_lens.clone()
         accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
@@ -201,6 +209,7 @@ class TreeSpecWorker(BaseSpecWorker):
         batch.input_ids = spec.draft_token
         batch.out_cache_loc = out_cache_loc
         batch.spec_info = spec
+        self.prepare_verify(batch, steps, trees)
         res = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits_output = res.logits_output
         self.after_verify_forward(steps, spec, logits_output)
@@ -294,13 +303,13 @@ class TreeSpecWorker(BaseSpecWorker):
                 proc = LogitsProcessor(msgspec.structs.replace(step.sampling, penalty=1.0), vocab)
                 draws.append(proc.sample(root_sglang[b : b + 1], None, step.state.generator).tolist())
                 continue
-            rows = logits[b, : len(tree)]
+            rows = logits[b, : tree.num_walkable]  # leaves (e.g. [SPEC]) are never drawn from
             if sampling_info.logit_bias is not None:
                 rows = rows + sampling_info.logit_bias[b, :vocab]
             proc = LogitsProcessor(step.sampling, vocab)
             mask = None
             if step.sampling.penalty_active:
-                paths = [tree.path_tokens(i) for i in range(len(tree))]
+                paths = [tree.path_tokens(i) for i in range(tree.num_walkable)]
                 mask = tree_window_mask(step.history, paths, step.sampling.penalty_window, vocab, rows.device)
             draws.append(proc.sample(rows, mask, step.state.generator).tolist())
         return draws

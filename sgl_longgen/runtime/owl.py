@@ -94,8 +94,8 @@ class OwlDecoder(Decoder):
         h = self.model(tree.token_tensor(dev), tree.positions(L, dev), self.cache, spec,
                        self.spec_rows if leaves else None)
         # [SPEC] leaves come after every draft node and are never drawn from: no logits for them.
-        drafts = leaves[0] if leaves else len(tree)
-        verdict = verify_tree(tree, self.model.logits(h[:drafts]), self.processor, self.history, self.generator)
+        verdict = verify_tree(tree, self.model.logits(h[: tree.num_walkable]), self.processor, self.history,
+                              self.generator)
         self.cache.keep(L, verdict.nodes)  # drops every [SPEC] slot with the rejected nodes
         self.length = L + len(verdict.nodes)
         last = verdict.nodes[-1]

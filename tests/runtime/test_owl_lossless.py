@@ -30,7 +30,7 @@ from sgl_longgen.runtime.embedded import random_state
 from sgl_longgen.runtime.model import ForwardSpec, ModelConfig, Transformer
 from sgl_longgen.core.penalty import window_tokens
 from sgl_longgen.core.sampling import LogitsProcessor
-from sgl_longgen.training.owl import owl_loss
+from sgl_longgen.training.owl import fit_drafter
 
 torch.set_num_threads(1)
 
@@ -66,20 +66,8 @@ def ar_output(name: str, penalty: float, window: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=None)
 def fitted_drafter(name: str) -> Path:
     """A drafter fitted (training loss of ``train owl``) to the target's greedy continuations of PROMPT."""
-    lm = model(name)
-    cfg = lm.config
     ids = torch.tensor([PROMPT + list(ar_output(name, *s)) for s in SETTINGS[name]])
-    gen = torch.Generator().manual_seed(0)
-    drafter = OwlDrafter(cfg.hidden_size, cfg.vocab_size, cfg.hidden_size, n_steps=8, spec=True)
-    drafter.reset_parameters(gen, lm.model.model.embed_tokens.weight)
-    drafter = drafter.double().train()
-    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
-    for _ in range(FIT_STEPS):
-        loss, _ = owl_loss(lm.model, drafter, ids, spec_dropout=0.3, spec_weight=1.0, spec_target="next", generator=gen)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return drafter.save(Path(_TMP.name) / name)
+    return fit_drafter(model(name).model, ids, FIT_STEPS).save(Path(_TMP.name) / name)
 
 
 def drafter_dir(name: str, kind: str) -> Path | None:

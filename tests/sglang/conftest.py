@@ -1,4 +1,4 @@
-"""One plain engine and one TOKENSWIFT engine, shared by the tests of a module."""
+"""The plain engine (shared by every SGLang test) and the TOKENSWIFT engine (per module)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from sglang_harness import engine_args, spec_args
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def plain_engine():
     import sglang as sgl
 

@@ -1,0 +1,106 @@
+"""OWL and HOWL behind ``sgl.Engine``: lossless against the same engine without speculation.
+
+A random-init drafter almost never gets a token accepted, so the drafter here is fitted in a few
+seconds to the target's own greedy continuations of the test prompts: acceptance then goes deep
+into the trees, through the [SPEC] hand-off between rounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_longgen.plugin.penalty_processor import ContextualPenaltyProcessor
+from sgl_longgen.runtime import load_model
+from sgl_longgen.training.owl import fit_drafter
+from sglang_harness import engine_args, model_path
+
+PROMPTS = [
+    [256, 100, 101, 102],
+    [256] + list(b"def fibonacci(n):\n    if n < 2:\n        return n\n"),
+    [256, 5, 6, 7, 8, 9, 5, 6, 7],
+]
+NEW_TOKENS = 128
+PENALTY = {"penalty": 1.3, "penalty_window": 32}
+
+
+def greedy(**extra) -> dict:
+    return {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(plain_engine, tmp_path_factory):
+    outs = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy())
+    penalized = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(custom_params=PENALTY),
+                                      custom_logit_processor=[ContextualPenaltyProcessor.to_str()] * len(PROMPTS))
+    seqs = [p + o["output_ids"] for p, o in zip(PROMPTS + PROMPTS, outs + penalized)]
+    length = min(len(s) for s in seqs)
+    target = load_model(model_path(), "float64").model
+    drafter = fit_drafter(target, torch.tensor([s[:length] for s in seqs]), steps=12)
+    return drafter.save(tmp_path_factory.mktemp("owl") / "drafter")
+
+
+def start(algorithm: str, drafter_dir):
+    import sglang as sgl
+
+    # Overlap scheduling left on: the plugin turns it off for its synchronous workers.
+    args = engine_args(speculative_algorithm=algorithm, speculative_draft_model_path=str(drafter_dir))
+    args.pop("disable_overlap_schedule")
+    return sgl.Engine(**args)
+
+
+@pytest.fixture(scope="module")
+def owl_engine(drafter_dir):
+    engine = start("OWL", drafter_dir)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def howl_engine(drafter_dir):
+    engine = start("HOWL", drafter_dir)
+    yield engine
+    engine.shutdown()
+
+
+def check_identical(plain_engine, engine, min_tau: float, **extra) -> None:
+    kwargs = {}
+    if "custom_params" in extra:
+        kwargs["custom_logit_processor"] = [ContextualPenaltyProcessor.to_str()] * len(PROMPTS)
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(**extra), **kwargs)
+    got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(**extra))
+    taus = []
+    for w, g in zip(want, got):
+        assert g["output_ids"] == w["output_ids"]
+        taus.append(g["meta_info"]["spec_accept_length"])
+    assert max(taus) > min_tau, taus
+
+
+def test_owl_greedy_is_identical(plain_engine, owl_engine):
+    check_identical(plain_engine, owl_engine, min_tau=1.5)
+
+
+def test_owl_greedy_with_the_contextual_penalty(plain_engine, owl_engine):
+    check_identical(plain_engine, owl_engine, min_tau=1.2, custom_params=PENALTY)
+
+
+def test_howl_greedy_is_identical(plain_engine, howl_engine):
+    check_identical(plain_engine, howl_engine, min_tau=1.5)
+
+
+def test_howl_greedy_with_the_contextual_penalty(plain_engine, howl_engine):
+    check_identical(plain_engine, howl_engine, min_tau=1.2, custom_params=PENALTY)
+
+
+def test_sampled_owl_completes(owl_engine):
+    params = [{"max_new_tokens": 64, "temperature": 0.9, "top_p": 0.95, "ignore_eos": True, "sampling_seed": s}
+              for s in range(len(PROMPTS))]
+    out = owl_engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert all(len(o["output_ids"]) == 64 and o["meta_info"]["spec_accept_length"] >= 1.0 for o in out)
+
+
+def test_a_heads_directory_is_not_an_owl_drafter(tmp_path):
+    from sglang_harness import heads_path
+
+    with pytest.raises(ValueError, match=r"OWL: OWL drafter checkpoint is missing .*owl.json"):
+        start("OWL", heads_path())
