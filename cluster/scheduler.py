@@ -197,6 +197,12 @@ class Scheduler:
 
     def _assign(self) -> None:
         cap = self.spec.engines.max_concurrent_requests
+        live = [s for s in self.slots if s.ready or s.starting is not None]
+        if any(s.starting is not None for s in live):
+            # While engines are still starting, the first one up takes only its share of the work
+            # (not the whole queue, which would leave the late ones idle for the entire job).
+            outstanding = len(self.pending) + sum(len(s.inflight) for s in self.slots)
+            cap = min(cap, -(-outstanding // len(live)))
         for slot in self.slots:
             while slot.ready and len(slot.inflight) < cap and self.pending:
                 req = self.pending.popleft()

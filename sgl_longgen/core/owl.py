@@ -404,6 +404,37 @@ def expand(
     return DraftBeam(tokens.gather(1, sel), new_parents, depths.gather(1, sel), scores.gather(1, sel))
 
 
+class GraphedExpand:
+    """:func:`expand` for one drafter and tree shape; on CUDA tensors it replays a CUDA graph.
+
+    The beam has fixed shapes for a given batch size and never reads values back to the host, so
+    one graph per batch size turns its ~100 kernel launches into one replay.
+    """
+
+    def __init__(self, drafter: OwlDrafter, *, top_k: int, depth: int, tree_size: int):
+        from .cuda_graph import GraphedFunction
+
+        self.drafter = drafter
+
+        def run(h_last, roots, h_spec, has_spec):
+            beam = expand(drafter, h_last, roots, h_spec, has_spec, top_k=top_k, depth=depth, tree_size=tree_size)
+            return beam.tokens, beam.parents, beam.depths, beam.scores
+
+        self._run = GraphedFunction(run)
+
+    def __call__(self, h_last: torch.Tensor, roots, h_spec: torch.Tensor | None = None,
+                 has_spec=None) -> DraftBeam:
+        w = self.drafter.head.weight
+        h_last = h_last.to(device=w.device, dtype=w.dtype)
+        B = h_last.shape[0]
+        roots = torch.as_tensor(roots, dtype=torch.long, device=w.device).reshape(B)
+        # Fixed inputs for the graph: rows without a [SPEC] state read the null vector either way.
+        h_spec = torch.zeros_like(h_last) if h_spec is None else h_spec.to(device=w.device, dtype=w.dtype)
+        has_spec = (torch.zeros(B, dtype=torch.bool, device=w.device) if has_spec is None
+                    else torch.as_tensor(has_spec, dtype=torch.bool, device=w.device).reshape(B))
+        return DraftBeam(*(t.clone() for t in self._run(h_last, roots, h_spec, has_spec)))
+
+
 def beam_trees(beam: DraftBeam, roots: Sequence[int] | torch.Tensor) -> list[DraftTree]:
     """One trie per request; draft node i of row b becomes tree node i + 1, tagged ``Source.LSTM``."""
     roots = torch.as_tensor(roots).reshape(-1).tolist()

@@ -61,8 +61,8 @@ class ImportanceScorer:
     After each attention layer, for every request whose :class:`PartialDraftInput` asks for it,
     the root token's query is scored against the request's committed keys with the GQA-summed
     q.k of TokenSwift's Eq. 2, softmax-normalised per KV head (one selection is shared by all
-    layers and heads in the engine), and accumulated over layers. The draft forward always runs
-    eagerly, so these hooks fire; the verify forward stays free to replay a CUDA graph.
+    layers and heads in the engine), and accumulated over layers. Scoring steps run the draft forward
+    eagerly (see :mod:`.draft_graph`), so these hooks fire; other steps may replay a CUDA graph.
     """
 
     def __init__(self, model_runner):

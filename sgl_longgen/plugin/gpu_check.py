@@ -83,36 +83,120 @@ def top2_gap(meta: dict, position: int) -> float | None:
     return float(tops[position][0][0] - tops[position][1][0])
 
 
-def owl_drafter_ms(width: int, iters: int = 50) -> float:
-    """Median CUDA-event time of one OWL tree expansion for an 8B-shaped target, batch 1."""
+def owl_drafter_ms(width: int) -> dict:
+    """Median time (CUDA events, L2 flushed) of one OWL tree expansion for an 8B-shaped target, batch 1:
+    eager, and replayed as the CUDA graph the OWL worker uses."""
     import torch
 
-    from ..core.owl import OwlDrafter, expand
+    from ..core.owl import GraphedExpand, OwlDrafter, expand
+    from ..kernels.bench import time_us
 
     torch.manual_seed(0)
     d0, vocab = LLAMA_8B["hidden_size"], LLAMA_8B["vocab_size"]
     drafter = OwlDrafter(d0, vocab, width, n_steps=8, spec=True).to("cuda", torch.bfloat16).eval()
     h = torch.randn(1, d0, device="cuda", dtype=torch.bfloat16)
     root = torch.tensor([1234], device="cuda")
-    run = lambda: expand(drafter, h, root, h, torch.tensor([True]), top_k=10, depth=8, tree_size=30)
-    for _ in range(5):
-        run()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    del drafter
-    torch.cuda.empty_cache()
-    return statistics.median(times)
+    has = torch.tensor([True], device="cuda")
+    graphed = GraphedExpand(drafter, top_k=10, depth=8, tree_size=30)
+    with torch.no_grad():
+        eager_beam = expand(drafter, h, root, h, has, top_k=10, depth=8, tree_size=30)
+        graph_beam = graphed(h, root, h, has)
+        same = bool(torch.equal(eager_beam.tokens, graph_beam.tokens) and torch.equal(eager_beam.parents, graph_beam.parents))
+        eager = time_us(lambda: expand(drafter, h, root, h, has, top_k=10, depth=8, tree_size=30)) / 1e3
+        graph = time_us(lambda: graphed(h, root, h, has)) / 1e3
+    return {"eager_ms": round(eager, 3), "graph_ms": round(graph, 3), "graph_matches_eager": same}
+
+
+def load_report(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_report(path: Path, report: dict) -> None:
+    """Written after every phase: a later phase that kills the process keeps the earlier ones."""
+    path.write_text(json.dumps(report, indent=2))
+
+
+def phase_plain(args, model: Path, prompts, long_prompts, report: dict) -> None:
+    t = time.time()
+    plain = engine(model, None, args)
+    report["plain_engine_start_s"] = round(time.time() - t, 1)
+    want = plain.generate(input_ids=prompts, sampling_params=greedy(args.tokens),
+                          return_logprob=True, top_logprobs_num=2)
+    report["plain_outputs"] = [
+        {"output_ids": w["output_ids"], "top2_gaps": [top2_gap(w["meta_info"], i) for i in range(len(w["output_ids"]))]}
+        for w in want
+    ]
+    ar = {}
+    for L, prompt in long_prompts.items():
+        times = {}
+        for n in (1, args.timed_tokens + 1):
+            t = time.time()
+            plain.generate(input_ids=prompt, sampling_params=greedy(n))
+            times[n] = time.time() - t
+        ar[str(L)] = (times[args.timed_tokens + 1] - times[1]) / args.timed_tokens * 1e3
+        print(f"plain decode at {L}: {ar[str(L)]:.2f} ms/token", flush=True)
+    plain.shutdown()
+    report["ar_step_ms"] = ar
+
+
+def phase_spec(args, model: Path, heads: Path, prompts, long_prompts, report: dict) -> None:
+    if "plain_outputs" not in report:
+        raise SystemExit("run --phase plain first (same --out)")
+    tag = f"tokenswift_{args.attention_backend}" + ("_eager" if args.no_cuda_graph else "")
+    result: dict = {"attention_backend": args.attention_backend, "cuda_graph": not args.no_cuda_graph}
+    t = time.time()
+    spec = engine(model, heads, args)
+    result["engine_start_s"] = round(time.time() - t, 1)
+    got = spec.generate(input_ids=prompts, sampling_params=greedy(args.tokens))
+    equality = []
+    for w, g in zip(report["plain_outputs"], got):
+        diff = first_difference(w["output_ids"], g["output_ids"])
+        gap = w["top2_gaps"][diff] if diff is not None and diff < len(w["top2_gaps"]) else None
+        equality.append({"identical": diff is None, "first_difference": diff,
+                         "plain_top2_logprob_gap_there": gap, "tau": g["meta_info"].get("spec_accept_length")})
+        print(f"[{tag}] greedy equality over {args.tokens} tokens: {equality[-1]}", flush=True)
+    result["equality"] = equality
+    rows = []
+    for L, prompt in long_prompts.items():
+        out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens))
+        meta = out["meta_info"]
+        steps = lambda k: [x for x in meta.get(k, []) if x is not None][1:]  # first step: warm-up
+        mean = lambda k: statistics.fmean(steps(k)) if steps(k) else float("nan")
+        ar_ms = report["ar_step_ms"].get(str(L), float("nan"))
+        row = {
+            "context": L, "ar_step_ms": round(ar_ms, 2),
+            "draft_ms": round(mean("longgen_draft_ms"), 2), "verify_ms": round(mean("longgen_verify_ms"), 2),
+            "overhead_ms": round(mean("longgen_overhead_ms"), 2), "tau": meta.get("spec_accept_length"),
+        }
+        row["draft_vs_ar"] = round(row["draft_ms"] / ar_ms, 2)
+        row["verify_vs_ar"] = round(row["verify_ms"] / ar_ms, 2)
+        rows.append(row)
+    spec.shutdown()
+    result["steps"] = rows
+    report[tag] = result
+    print(f"[{tag}]")
+    print(f"{'context':>8} {'AR ms':>7} {'draft':>7} {'verify':>7} {'overhead':>9} {'draft/AR':>9} {'verify/AR':>10}")
+    for r in rows:
+        print(f"{r['context']:>8} {r['ar_step_ms']:>7} {r['draft_ms']:>7} {r['verify_ms']:>7} {r['overhead_ms']:>9}"
+              f" {r['draft_vs_ar']:>9} {r['verify_vs_ar']:>10}", flush=True)
+
+
+def phase_owl(args, report: dict) -> None:
+    first = str(args.contexts[0])
+    ar_ms = report.get("ar_step_ms", {}).get(first, float("nan"))
+    r = owl_drafter_ms(args.owl_width)
+    r.update(width=args.owl_width, ar_context=int(first), graph_vs_ar=round(r["graph_ms"] / ar_ms, 3))
+    report.setdefault("owl_drafter", {})[str(args.owl_width)] = r
+    print(f"OWL drafter (width {args.owl_width}, depth 8, top-k 10, 30 nodes): eager {r['eager_ms']} ms, "
+          f"CUDA graph {r['graph_ms']} ms = {r['graph_vs_ar']}x an AR step at {first} "
+          f"(graph matches eager: {r['graph_matches_eager']})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("tokenswift_gpu_check.json"))
+    p.add_argument("--phase", choices=("all", "plain", "spec", "owl"), default="all",
+                   help="run one part; results accumulate in --out (spec needs plain's)")
     p.add_argument("--tokens", type=int, default=2048, help="greedy tokens per prompt for the equality check")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 98304])
@@ -130,67 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     model, heads = make_checkpoints(root, args.budget)
     prompts = [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(args.prompts)]
     long_prompts = {L: [rng.randrange(1000, 120000) for _ in range(L)] for L in args.contexts}
-    report: dict = {"config": vars(args) | {"out": str(args.out)}}
-
-    t = time.time()
-    plain = engine(model, None, args)
-    report["plain_engine_start_s"] = round(time.time() - t, 1)
-    want = plain.generate(input_ids=prompts, sampling_params=greedy(args.tokens),
-                          return_logprob=True, top_logprobs_num=2)
-    ar = {}
-    for L, prompt in long_prompts.items():
-        times = {}
-        for n in (1, args.timed_tokens + 1):
-            t = time.time()
-            plain.generate(input_ids=prompt, sampling_params=greedy(n))
-            times[n] = time.time() - t
-        ar[L] = (times[args.timed_tokens + 1] - times[1]) / args.timed_tokens * 1e3
-        print(f"plain decode at {L}: {ar[L]:.2f} ms/token", flush=True)
-    plain.shutdown()
-
-    t = time.time()
-    spec = engine(model, heads, args)
-    report["tokenswift_engine_start_s"] = round(time.time() - t, 1)
-    got = spec.generate(input_ids=prompts, sampling_params=greedy(args.tokens))
-    equality = []
-    for w, g in zip(want, got):
-        diff = first_difference(w["output_ids"], g["output_ids"])
-        equality.append({
-            "identical": diff is None, "first_difference": diff,
-            "plain_top2_logprob_gap_there": top2_gap(w["meta_info"], diff) if diff is not None else None,
-            "tau": g["meta_info"].get("spec_accept_length"),
-        })
-        print(f"greedy equality over {args.tokens} tokens: {equality[-1]}", flush=True)
-    report["equality"] = equality
-
-    rows = []
-    for L, prompt in long_prompts.items():
-        out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens))
-        meta = out["meta_info"]
-        steps = lambda k: [x for x in meta.get(k, []) if x is not None][1:]  # first step: warm-up
-        mean = lambda k: statistics.fmean(steps(k)) if steps(k) else float("nan")
-        row = {
-            "context": L, "ar_step_ms": round(ar[L], 2),
-            "draft_ms": round(mean("longgen_draft_ms"), 2), "verify_ms": round(mean("longgen_verify_ms"), 2),
-            "overhead_ms": round(mean("longgen_overhead_ms"), 2), "tau": meta.get("spec_accept_length"),
-        }
-        row["draft_vs_ar"] = round(row["draft_ms"] / row["ar_step_ms"], 2)
-        row["verify_vs_ar"] = round(row["verify_ms"] / row["ar_step_ms"], 2)
-        rows.append(row)
-    spec.shutdown()
-    report["steps"] = rows
-
-    print(f"{'context':>8} {'AR ms':>7} {'draft':>7} {'verify':>7} {'overhead':>9} {'draft/AR':>9} {'verify/AR':>10}")
-    for r in rows:
-        print(f"{r['context']:>8} {r['ar_step_ms']:>7} {r['draft_ms']:>7} {r['verify_ms']:>7} {r['overhead_ms']:>9}"
-              f" {r['draft_vs_ar']:>9} {r['verify_vs_ar']:>10}")
-    first = args.contexts[0]
-    owl_ms = owl_drafter_ms(args.owl_width)
-    report["owl_drafter"] = {"width": args.owl_width, "ms": round(owl_ms, 3),
-                             "vs_ar": round(owl_ms / ar[first], 3), "ar_context": first}
-    print(f"OWL drafter (width {args.owl_width}, depth 8, top-k 10, 30 nodes): {owl_ms:.3f} ms = "
-          f"{owl_ms / ar[first]:.3f}x an AR step at {first}")
-    args.out.write_text(json.dumps(report, indent=2))
+    report = load_report(args.out)
+    report.setdefault("config", {}).update({k: str(v) for k, v in vars(args).items()})
+    if args.phase in ("all", "plain"):
+        phase_plain(args, model, prompts, long_prompts, report)
+        save_report(args.out, report)
+    if args.phase in ("all", "spec"):
+        phase_spec(args, model, heads, prompts, long_prompts, report)
+        save_report(args.out, report)
+    if args.phase in ("all", "owl"):
+        phase_owl(args, report)
+        save_report(args.out, report)
     return 0
 
 

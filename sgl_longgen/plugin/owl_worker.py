@@ -22,7 +22,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from ..core.howl import HowlPolicy, HowlState, Route
-from ..core.owl import attach_spec_leaves, beam_trees, expand, load_drafter, verify_width
+from ..core.owl import GraphedExpand, attach_spec_leaves, beam_trees, expand, load_drafter, verify_width
 from ..core.suffix import SuffixCache
 from ..core.tree import DraftTree, Source
 from ..core.verify import Verdict
@@ -56,6 +56,12 @@ class OwlWorker(TreeSpecWorker):
         dtype = next(self.model.parameters()).dtype
         self.drafter = load_drafter(draft.path).to(device=self.device, dtype=dtype)
         self.spec_vector = self.drafter.spec_embedding.detach() if self.owl.spec else None
+        o = self.owl
+        if server_args.disable_cuda_graph:
+            self.expand = lambda h, roots, h_spec, has_spec: expand(
+                self.drafter, h, roots, h_spec, torch.tensor(has_spec), top_k=o.top_k, depth=o.depth, tree_size=o.tree_size)
+        else:  # CUDA graph of the beam on GPU (plain calls on CPU tensors)
+            self.expand = GraphedExpand(self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size)
         sampling = draft.defaults.sampling
         self.set_penalty_defaults(PenaltyDefaults(sampling.penalty, sampling.penalty_window))
         self.defaults = draft.defaults
@@ -106,9 +112,7 @@ class OwlWorker(TreeSpecWorker):
             h_spec = None
             if any(has_spec):
                 h_spec = torch.stack([s.h_spec if use else torch.zeros_like(s.h_last) for s, use in zip(states, has_spec)])
-            o = self.owl
-            beam = expand(self.drafter, h_last, [steps[b].root for b in lstm], h_spec,
-                          torch.tensor(has_spec), top_k=o.top_k, depth=o.depth, tree_size=o.tree_size)
+            beam = self.expand(h_last, [steps[b].root for b in lstm], h_spec, has_spec)
             for b, tree in zip(lstm, beam_trees(beam, [steps[b].root for b in lstm])):
                 trees[b] = tree
         for b, (step, route) in enumerate(zip(steps, self._routes)):

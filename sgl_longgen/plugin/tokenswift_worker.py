@@ -25,6 +25,7 @@ from ..core.tree import DraftTree, Source, cartesian_paths
 from ..core.verify import Verdict
 from .capture import ImportanceScorer, PreNormCapture
 from .draft_dir import inspect_heads_draft_dir
+from .draft_graph import DraftGraphRunner
 from .requests import PenaltyDefaults
 from .spec_inputs import PartialDraftInput
 from .tree_worker import StepRequest, TreeSpecWorker
@@ -53,6 +54,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         self.lm_head_weight = self.model.lm_head.weight
         self.capture = PreNormCapture(self.model)
         self.scorer = ImportanceScorer(self.model_runner)
+        self.draft_graphs = DraftGraphRunner(self.model_runner, self.capture)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -108,15 +110,18 @@ class TokenSwiftWorker(TreeSpecWorker):
             batch.seq_lens_cpu = kv_lens.cpu()
             batch.seq_lens_sum = int(sum(lens))
             forward_batch = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
-            with self.capture:
-                out = self.model_runner.forward(forward_batch)
-            h0 = self.capture.value
+            if self.draft_graphs.can_run(forward_batch):
+                logits, h0 = self.draft_graphs.run(forward_batch)
+            else:
+                with self.capture:
+                    logits = self.model_runner.forward(forward_batch).logits_output.next_token_logits
+                h0 = self.capture.value
         finally:
             (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info,
              batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum) = saved
         for b, scores in spec.scores.items():
             steps[b].state.method_state.policy.select(scores[None, None].cpu())
-        return out.logits_output.next_token_logits[:, : self.vocab_size], h0
+        return logits[:, : self.vocab_size], h0
 
     @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:

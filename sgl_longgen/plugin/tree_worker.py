@@ -213,6 +213,8 @@ class TreeSpecWorker(BaseSpecWorker):
         res = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits_output = res.logits_output
         self.after_verify_forward(steps, spec, logits_output)
+        if logits_output.next_token_logits.is_cuda:
+            torch.cuda.synchronize()  # the step breakdown times GPU work, not its launch
         t2 = time.perf_counter()
 
         draws = self._draw(batch, steps, trees, logits_output.next_token_logits)

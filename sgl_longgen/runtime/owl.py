@@ -56,7 +56,6 @@ class OwlDecoder(Decoder):
     def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
         """The prompt (plus one [SPEC] at position P when enabled); keeps ``h_last`` and ``h_S``."""
         dev = self.model.device
-        P = len(prompt_ids)
         with_spec = self.use_spec and self.owl.prefill_spec
         ids = list(prompt_ids) + ([self.spec_id] if with_spec else [])
         tail = None

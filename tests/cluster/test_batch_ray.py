@@ -98,7 +98,7 @@ def test_six_prompts_on_two_engines(ray_cluster, tmp_path, oracle):
     summary = run_job(job, live=False, stream=log, out=io.StringIO())
 
     records = assert_complete(job.output_dir, oracle)
-    assert f"six.jsonl:3: not valid JSON" in log.getvalue()
+    assert "six.jsonl:3: not valid JSON" in log.getvalue()
     assert summary["bad_lines"] == [{"line": 3, "reason": summary["bad_lines"][0]["reason"]}]
     assert summary["records"] == 6 and summary["errors"] == 0
     # Two engines shared the work, and the metrics are there.

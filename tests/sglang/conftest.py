@@ -1,10 +1,14 @@
-"""The plain engine (shared by every SGLang test) and the TOKENSWIFT engine (per module)."""
+"""The plain engine (shared by every SGLang test) and the TOKENSWIFT engine (per module).
+
+They stop with :func:`sglang_harness.stop`, not ``shutdown()``, which would also kill the other
+engines' processes and a session Ray cluster's.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_harness import engine_args, spec_args
+from sglang_harness import engine_args, spec_args, stop
 
 
 @pytest.fixture(scope="session")
@@ -13,7 +17,7 @@ def plain_engine():
 
     engine = sgl.Engine(**engine_args())
     yield engine
-    engine.shutdown()
+    stop(engine)
 
 
 @pytest.fixture(scope="module")
@@ -22,4 +26,4 @@ def spec_engine():
 
     engine = sgl.Engine(**spec_args())
     yield engine
-    engine.shutdown()
+    stop(engine)

@@ -42,3 +42,30 @@ def engine_args(**extra) -> dict:
 
 def spec_args(**extra) -> dict:
     return engine_args(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads_path()), **extra)
+
+
+PROMPTS = [
+    [256, 100, 101, 102],
+    [256] + list(b"def fibonacci(n):\n    if n < 2:\n        return n\n"),
+    [256, 5, 6, 7, 8, 9, 5, 6, 7],
+]
+
+
+def greedy(max_new_tokens: int, **extra) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def stop(engine) -> None:
+    """Stop one of several engines of this process.
+
+    ``Engine.shutdown()`` kills every child process of its caller: the other engines' schedulers
+    too, whose liveness watchdogs then send SIGQUIT and take the whole test process down. This
+    stops only this engine's watchdog and its own scheduler and detokenizer processes.
+    """
+    watchdog = engine.tokenizer_manager._subprocess_watchdog
+    processes = list(watchdog._processes)
+    watchdog.stop()
+    for proc in processes:
+        proc.kill()
+    for proc in processes:
+        proc.join(timeout=30)

@@ -6,24 +6,15 @@ import pytest
 
 from sgl_longgen.plugin.penalty_processor import ContextualPenaltyProcessor
 
-from sglang_harness import CONTEXT
+from sglang_harness import CONTEXT, PROMPTS, greedy
 
-PROMPTS = [
-    [256, 100, 101, 102],
-    [256] + list(b"def fibonacci(n):\n    if n < 2:\n        return n\n"),
-    [256, 5, 6, 7, 8, 9, 5, 6, 7],
-]
 NEW_TOKENS = 256
 PENALTY = {"penalty": 1.2, "penalty_window": 64}
 
 
-def greedy(**extra) -> dict:
-    return {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
-
-
 def test_greedy_outputs_are_identical_for_concurrent_requests(plain_engine, spec_engine):
-    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy())
-    got = spec_engine.generate(input_ids=PROMPTS, sampling_params=greedy())
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    got = spec_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
     for w, g in zip(want, got):
         assert len(w["output_ids"]) == NEW_TOKENS
         assert g["output_ids"] == w["output_ids"]
@@ -37,15 +28,15 @@ def test_greedy_outputs_are_identical_for_concurrent_requests(plain_engine, spec
 
 def test_greedy_with_the_contextual_penalty(plain_engine, spec_engine):
     processor = ContextualPenaltyProcessor.to_str()
-    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(custom_params=PENALTY),
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, custom_params=PENALTY),
                                  custom_logit_processor=[processor] * len(PROMPTS))
-    unpenalized = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy())
-    got = spec_engine.generate(input_ids=PROMPTS, sampling_params=greedy(custom_params=PENALTY))
+    unpenalized = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    got = spec_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, custom_params=PENALTY))
     for w, u, g in zip(want, unpenalized, got):
         assert w["output_ids"] != u["output_ids"]  # the penalty changes what the model writes
         assert g["output_ids"] == w["output_ids"]
     # The processor itself is recognised too: same tokens when a client sends it to TOKENSWIFT.
-    again = spec_engine.generate(input_ids=PROMPTS, sampling_params=greedy(custom_params=PENALTY),
+    again = spec_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, custom_params=PENALTY),
                                  custom_logit_processor=[processor] * len(PROMPTS))
     assert [a["output_ids"] for a in again] == [w["output_ids"] for w in want]
 
@@ -63,7 +54,7 @@ def test_sampled_generation_completes_and_reports_acceptance(spec_engine):
 
 
 def test_unsupported_sampling_features_fall_back_to_exact_single_tokens(plain_engine, spec_engine):
-    params = greedy(max_new_tokens=48, frequency_penalty=0.5)
+    params = greedy(48, frequency_penalty=0.5)
     want = plain_engine.generate(input_ids=PROMPTS[:1], sampling_params=params)
     got = spec_engine.generate(input_ids=PROMPTS[:1], sampling_params=params)
     assert got[0]["output_ids"] == want[0]["output_ids"]
@@ -75,7 +66,7 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_gets_sglangs_error(plain_
     outcomes = []
     for engine in (plain_engine, spec_engine):
         try:
-            res = engine.generate(input_ids=[prompt], sampling_params=greedy(max_new_tokens=100))
+            res = engine.generate(input_ids=[prompt], sampling_params=greedy(100))
             outcomes.append(("result", res[0]["meta_info"]["finish_reason"]))
         except ValueError as exc:
             outcomes.append(("error", "context" in str(exc).lower() or "length" in str(exc).lower()))

@@ -13,25 +13,16 @@ import torch
 from sgl_longgen.plugin.penalty_processor import ContextualPenaltyProcessor
 from sgl_longgen.runtime import load_model
 from sgl_longgen.training.owl import fit_drafter
-from sglang_harness import engine_args, model_path
+from sglang_harness import PROMPTS, engine_args, greedy, model_path, stop
 
-PROMPTS = [
-    [256, 100, 101, 102],
-    [256] + list(b"def fibonacci(n):\n    if n < 2:\n        return n\n"),
-    [256, 5, 6, 7, 8, 9, 5, 6, 7],
-]
 NEW_TOKENS = 128
 PENALTY = {"penalty": 1.3, "penalty_window": 32}
 
 
-def greedy(**extra) -> dict:
-    return {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
-
-
 @pytest.fixture(scope="module")
 def drafter_dir(plain_engine, tmp_path_factory):
-    outs = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy())
-    penalized = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(custom_params=PENALTY),
+    outs = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    penalized = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, custom_params=PENALTY),
                                       custom_logit_processor=[ContextualPenaltyProcessor.to_str()] * len(PROMPTS))
     seqs = [p + o["output_ids"] for p, o in zip(PROMPTS + PROMPTS, outs + penalized)]
     length = min(len(s) for s in seqs)
@@ -53,22 +44,22 @@ def start(algorithm: str, drafter_dir):
 def owl_engine(drafter_dir):
     engine = start("OWL", drafter_dir)
     yield engine
-    engine.shutdown()
+    stop(engine)
 
 
 @pytest.fixture(scope="module")
 def howl_engine(drafter_dir):
     engine = start("HOWL", drafter_dir)
     yield engine
-    engine.shutdown()
+    stop(engine)
 
 
 def check_identical(plain_engine, engine, min_tau: float, **extra) -> None:
     kwargs = {}
     if "custom_params" in extra:
         kwargs["custom_logit_processor"] = [ContextualPenaltyProcessor.to_str()] * len(PROMPTS)
-    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(**extra), **kwargs)
-    got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(**extra))
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, **extra), **kwargs)
+    got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, **extra))
     taus = []
     for w, g in zip(want, got):
         assert g["output_ids"] == w["output_ids"]

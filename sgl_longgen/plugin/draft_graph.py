@@ -1,0 +1,132 @@
+"""CUDA graphs of the 1-token draft forward over a partial KV.
+
+SGLang captures graphs of speculative algorithms only at their verify width, so our draft decode
+(one root token per request over an explicit ``kv_indices`` list) ran eagerly: at batch 1 an
+8B model's 32 layers spend ~20 ms in Python and kernel launches for ~6 ms of GPU work. This
+runner captures that same model forward once per batch size, with the attention backend's own
+graph-mode decode wrappers (``init_forward_metadata_out_graph``), and replays it after
+re-planning the wrappers with the step's indices.
+
+Steps that re-score the committed positions for the partial-KV policy (forward hooks that read
+each layer's query) stay eager, as does anything the runner cannot serve. The first replay of
+each captured size is compared with the eager forward it was captured from; a mismatch turns the
+runner off with a warning rather than risk a wrong draft (drafts never change the output, but
+a wrong one would cost acceptance silently).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_STATIC = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    batch: object  # the ForwardBatch whose tensors the graph reads
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+class DraftGraphRunner:
+    def __init__(self, model_runner, capture, max_bs: int = 8):
+        self.runner = model_runner
+        self.capture = capture  # PreNormCapture on the same model
+        self.max_bs = max_bs
+        self.graphs: dict[int, _Graph] = {}
+        self.enabled: bool | None = None  # decided at the first draft: the backend exists by then
+
+    def _supported(self) -> bool:
+        runner = self.runner
+        backend = getattr(runner, "attn_backend", None)
+        return (
+            str(runner.device).startswith("cuda")
+            and not runner.server_args.disable_cuda_graph
+            and hasattr(backend, "decode_cuda_graph_metadata")
+            and getattr(backend, "cuda_graph_kv_indices", None) is not None
+        )
+
+    def can_run(self, forward_batch) -> bool:
+        if self.enabled is None:
+            self.enabled = self._supported()
+        spec = forward_batch.spec_info
+        return self.enabled and forward_batch.batch_size <= self.max_bs and not spec.wants_scores
+
+    def run(self, forward_batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next-token logits ``[bs, vocab]`` and the pre-norm states of the roots."""
+        bs = forward_batch.batch_size
+        entry = self.graphs.get(bs)
+        if entry is None:
+            return self._capture(forward_batch)
+        self._load(entry, forward_batch)
+        entry.graph.replay()
+        return entry.logits, entry.hidden
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _context(self):
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        return forward_context(ForwardContext(attn_backend=self.runner.attn_backend))
+
+    def _load(self, entry: _Graph, forward_batch) -> None:
+        static = entry.batch
+        for name in _STATIC:
+            getattr(static, name).copy_(getattr(forward_batch, name))
+        static.seq_lens_cpu = forward_batch.seq_lens_cpu
+        static.seq_lens_sum = forward_batch.seq_lens_sum
+        static.spec_info = forward_batch.spec_info  # its kv_indptr / kv_indices plan the wrappers
+        with self._context():
+            self.runner.attn_backend.init_forward_metadata_out_graph(static, in_capture=False)
+
+    def _forward(self, forward_batch):
+        with self.capture:
+            out = self.runner.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return out.next_token_logits, self.capture.value
+
+    def _capture(self, forward_batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Capture for this batch size, then check one replay against the eager forward."""
+        from sglang.srt.model_executor.runner_utils import capture_mode
+
+        bs = forward_batch.batch_size
+        for name in _STATIC:  # the graph's inputs: tensors this runner owns from now on
+            setattr(forward_batch, name, getattr(forward_batch, name).clone())
+        backend = self.runner.attn_backend
+        try:
+            with self._context():
+                backend.init_forward_metadata_out_graph(forward_batch, in_capture=True)
+                eager_logits, eager_hidden = self._forward(forward_batch)  # warm-up and reference
+                eager_logits = eager_logits.clone()
+                eager_hidden = eager_hidden.clone() if eager_hidden is not None else None
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                previous, capture_mode.is_capture_mode = capture_mode.is_capture_mode, True
+                try:
+                    with torch.cuda.graph(graph):
+                        logits, hidden = self._forward(forward_batch)
+                finally:
+                    capture_mode.is_capture_mode = previous
+            entry = _Graph(graph, forward_batch, logits, hidden)
+            self._load(entry, forward_batch)
+            graph.replay()
+            torch.cuda.synchronize()
+            err = (logits.float() - eager_logits.float()).abs().max().item()
+            tol = 2e-2 * max(1.0, eager_logits.float().abs().max().item())
+            if not err <= tol:
+                raise RuntimeError(f"replayed draft logits differ from eager by {err:.3g} (tolerance {tol:.3g})")
+        except Exception as exc:  # keep serving eagerly; say why once
+            self.enabled = False
+            logger.warning("draft CUDA graphs off (batch size %d): %s", bs, exc)
+            with self._context():
+                backend.init_forward_metadata(forward_batch)
+                logits, hidden = self._forward(forward_batch)
+            return logits, hidden
+        self.graphs[bs] = entry
+        logger.info("captured the draft forward for batch size %d", bs)
+        return eager_logits, eager_hidden
