@@ -15,13 +15,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import LonggenError
 from .nn import RMSNorm
-from .weights import check_shapes, expected_shapes, header_shapes
+from .weights import check_shapes, expected_shapes, header_shapes, read_weights
 
 FORMAT = "sgl-longgen.tokenswift-heads"
 CONFIG_FILE = "heads.json"
@@ -129,10 +128,7 @@ def load_heads(
     directory = Path(directory)
     cfg = check_heads(directory, hidden_size, num_heads)
     weights = directory / WEIGHTS_FILE
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise LonggenError(f"cannot read {weights}: {exc}") from None
+    state = read_weights(weights)
     heads = TokenSwiftHeads(cfg["hidden_size"], cfg["num_heads"], cfg.get("rms_norm_eps", 1e-6))
     heads.load_state_dict({k: state[k] for k in heads.state_dict()})
     return heads.to(dtype)

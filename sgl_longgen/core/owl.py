@@ -39,13 +39,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import LonggenError
 from .tree import DraftTree, Source
-from .weights import check_shapes, expected_shapes, header_shapes
+from .weights import check_shapes, expected_shapes, header_shapes, read_weights
 
 FORMAT = "sgl-longgen.owl-drafter"
 VERSION = 1
@@ -280,10 +279,7 @@ def load_drafter(
     directory = Path(directory)
     cfg = check_drafter(directory, hidden_size, vocab_size)
     weights = directory / WEIGHTS_FILE
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise LonggenError(f"cannot read {weights}: {exc}") from None
+    state = read_weights(weights)
     drafter = _build(cfg)
     drafter.load_state_dict(state)
     return drafter.to(dtype).eval().requires_grad_(False)

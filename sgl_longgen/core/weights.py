@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import LonggenError
@@ -47,3 +48,11 @@ def check_shapes(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[in
     for key, want in expected.items():
         if tuple(found[key]) != tuple(want):
             raise LonggenError(f"{weights}: tensor {key} has shape {tuple(found[key])}, {config.name} implies {want}")
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; an unreadable file is one error naming it."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise LonggenError(f"cannot read {path}: {exc}") from None
