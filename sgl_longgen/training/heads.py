@@ -25,7 +25,7 @@ from ..runtime.model import Transformer
 from . import loop as loop_mod
 from .config import HeadsTrainConfig, to_dict
 from .data import check_length, collect_documents, sample_windows, split_documents, tokenize_corpus
-from .device import autocast, configure, describe, resolve_device
+from .device import autocast, describe
 from .forward import causal_hidden
 from .lm import full_precision, validation_windows
 
@@ -77,14 +77,7 @@ def train_heads(cfg: HeadsTrainConfig, resume: bool = False, command: str = "") 
     """Load the frozen base, tokenize the data with its tokenizer, train and save the heads."""
     if not cfg.model:
         raise LonggenError("train heads needs a base model (--model NAME|DIR)")
-    if not cfg.out:
-        raise LonggenError("train heads needs an output directory (--out DIR)")
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise LonggenError(f"--out {out} exists and is not a directory")
-    loop_mod.check_fresh_start(out, resume)
-    device = resolve_device(cfg.loop.device)
-    configure(device, cfg.loop.threads)
+    out, device = loop_mod.start_run("train heads", cfg.out, resume, cfg.loop)
     model_dir = resolve_model(cfg.model)
     loaded = load_model(model_dir, "float32", str(device))
     if loaded.tokenizer is None:

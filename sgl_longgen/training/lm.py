@@ -26,7 +26,7 @@ from ..runtime.tokenizer import Tokenizer
 from . import loop as loop_mod
 from .config import LMTrainConfig, to_dict
 from .data import check_length, collect_documents, fixed_windows, sample_windows, split_documents, tokenize_corpus
-from .device import autocast, configure, describe, resolve_device
+from .device import autocast, describe
 from .export import hf_config, parameter_count, save_hf_model
 from .forward import causal_hidden
 from .tokenizer import check_tokenizer_dir, train_tokenizer
@@ -109,14 +109,7 @@ def prepare_tokenizer(cfg: LMTrainConfig, out: Path, train_docs, resume: bool) -
 
 def train_lm(cfg: LMTrainConfig, resume: bool = False, command: str = "") -> dict:
     """Tokenizer, tokenized corpus, model, training loop; returns the run's summary."""
-    if not cfg.out:
-        raise LonggenError("train lm needs an output directory (--out DIR)")
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise LonggenError(f"--out {out} exists and is not a directory")
-    loop_mod.check_fresh_start(out, resume)
-    device = resolve_device(cfg.loop.device)
-    configure(device, cfg.loop.threads)
+    out, device = loop_mod.start_run("train lm", cfg.out, resume, cfg.loop)
     docs = collect_documents(cfg.data)
     train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from ..errors import LonggenError
 from .config import LoopConfig, OptimConfig
-from .device import autocast
+from .device import autocast, configure, resolve_device
 from .schedule import CosineSchedule
 
 STATE_FILE = "trainer_state.pt"
@@ -267,6 +267,19 @@ def run(task: Task, optim: OptimConfig, loop: LoopConfig, device: torch.device, 
         log(f"{task.name} final validation | {_format(progress.val)}")
     save_checkpoint()
     return progress
+
+
+def start_run(command: str, out: str, resume: bool, loop: LoopConfig) -> tuple[Path, torch.device]:
+    """The checks every trainer makes before any work: an output directory, not another run's, a device."""
+    if not out:
+        raise LonggenError(f"{command} needs an output directory (--out DIR)")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise LonggenError(f"--out {path} exists and is not a directory")
+    check_fresh_start(path, resume)
+    device = resolve_device(loop.device)
+    configure(device, loop.threads)
+    return path, device
 
 
 def check_fresh_start(out: Path, resume: bool) -> None:

@@ -49,7 +49,7 @@ from ..runtime.model import Attention, Transformer
 from . import loop as loop_mod
 from .config import DataConfig, Fraction, LoopConfig, NonNegInt, OptimConfig, PosInt, to_dict
 from .data import collect_documents, split_documents, tokenize_corpus
-from .device import autocast, configure, describe, resolve_device
+from .device import autocast, describe
 from .forward import _rotate_half, rope_tables
 from .lm import full_precision
 
@@ -406,14 +406,7 @@ def train_owl(cfg: OwlTrainConfig, resume: bool = False, command: str = "") -> d
     """Load the frozen target, distil the data, train and save the drafter; returns the summary."""
     if not cfg.model:
         raise LonggenError("train owl needs a target model (--model NAME|DIR)")
-    if not cfg.out:
-        raise LonggenError("train owl needs an output directory (--out DIR)")
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise LonggenError(f"--out {out} exists and is not a directory")
-    loop_mod.check_fresh_start(out, resume)
-    device = resolve_device(cfg.loop.device)
-    configure(device, cfg.loop.threads)
+    out, device = loop_mod.start_run("train owl", cfg.out, resume, cfg.loop)
     model_dir = resolve_model(cfg.model)
     loaded = load_model(model_dir, "float32", str(device))
     if loaded.tokenizer is None:

@@ -15,39 +15,18 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from sgl_longgen.config import GenerateConfig, SamplingConfig
+from sgl_longgen.config import SamplingConfig
 from sgl_longgen.core.heads import TokenSwiftHeads
 from sgl_longgen.core.penalty import window_tokens
 from sgl_longgen.core.sampling import LogitsProcessor
-from sgl_longgen.runtime import ARDecoder, TokenSwiftDecoder, build_decoder, load_model, resolve_model
+from sgl_longgen.runtime import ARDecoder, TokenSwiftDecoder, build_decoder
 from sgl_longgen.runtime.checkpoint import LoadedModel
 from sgl_longgen.runtime.embedded import random_state
 from sgl_longgen.runtime.model import ForwardSpec, ModelConfig, Transformer
 
+from runtime_oracle import PROMPT, ar_output, config, model
+
 NEW_TOKENS = 400
-PROMPT = list(b"def fibonacci(n):\n    if n < 2:\n        return n\n    return ")
-
-
-@functools.lru_cache(maxsize=None)
-def model(name: str) -> LoadedModel:
-    return load_model(resolve_model(name), "float64")
-
-
-def config(method: str, **kw) -> GenerateConfig:
-    data = {"method": method, "sampling": {"temperature": 0.0}, "ignore_eos": True}
-    for key, value in kw.items():
-        node = data
-        *parents, leaf = key.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return msgspec.convert(data, GenerateConfig)
-
-
-@functools.lru_cache(maxsize=None)
-def ar_output(name: str, penalty: float, window: int) -> tuple[int, ...]:
-    cfg = config("ar", sampling__penalty=penalty, sampling__penalty_window=window)
-    return tuple(build_decoder(model(name), cfg).generate(PROMPT, NEW_TOKENS).output_ids)
 
 
 CASES = [
@@ -68,7 +47,7 @@ def test_greedy_tokenswift_equals_plain_decoding(name, penalty, window, extra):
     cfg = config("tokenswift", sampling__penalty=penalty, sampling__penalty_window=window, **extra)
     result = build_decoder(model(name), cfg).generate(PROMPT, NEW_TOKENS)
     assert result.finish_reason == "length" and result.error is None
-    assert tuple(result.output_ids) == ar_output(name, penalty, window)
+    assert tuple(result.output_ids) == ar_output(name, penalty, window, NEW_TOKENS)
     # It must actually speculate, or the comparison proves nothing.
     assert result.accept_length > 1.3
 

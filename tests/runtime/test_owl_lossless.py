@@ -21,10 +21,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from sgl_longgen.config import GenerateConfig, SamplingConfig
+from sgl_longgen.config import SamplingConfig
 from sgl_longgen.core.owl import OwlDrafter
 from sgl_longgen.errors import LonggenError
-from sgl_longgen.runtime import HowlDecoder, OwlDecoder, build_decoder, load_model, resolve_model
+from sgl_longgen.runtime import HowlDecoder, OwlDecoder, build_decoder, resolve_model
 from sgl_longgen.runtime.checkpoint import LoadedModel
 from sgl_longgen.runtime.embedded import random_state
 from sgl_longgen.runtime.model import ForwardSpec, ModelConfig, Transformer
@@ -32,41 +32,20 @@ from sgl_longgen.core.penalty import window_tokens
 from sgl_longgen.core.sampling import LogitsProcessor
 from sgl_longgen.training.owl import fit_drafter
 
+from runtime_oracle import PROMPT, ar_output, config, model
+
 torch.set_num_threads(1)
 
 NEW_TOKENS = 160
-PROMPT = list(b"def fibonacci(n):\n    if n < 2:\n        return n\n    return ")
 SETTINGS = {"tiny-random": [(1.0, 1024), (1.2, 64)], "tiny-qwen2": [(1.0, 1024), (2.0, 16)]}
 FIT_STEPS = 12  # enough for tau of about 2-4 here: accepted paths end inside the tree as well as at its leaves
 _TMP = tempfile.TemporaryDirectory(prefix="owl-test-")
 
 
 @functools.lru_cache(maxsize=None)
-def model(name: str) -> LoadedModel:
-    return load_model(resolve_model(name), "float64")
-
-
-def config(method: str, **kw) -> GenerateConfig:
-    data = {"method": method, "sampling": {"temperature": 0.0}, "ignore_eos": True}
-    for key, value in kw.items():
-        node = data
-        *parents, leaf = key.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return msgspec.convert(data, GenerateConfig)
-
-
-@functools.lru_cache(maxsize=None)
-def ar_output(name: str, penalty: float, window: int) -> tuple[int, ...]:
-    cfg = config("ar", sampling__penalty=penalty, sampling__penalty_window=window)
-    return tuple(build_decoder(model(name), cfg).generate(PROMPT, NEW_TOKENS).output_ids)
-
-
-@functools.lru_cache(maxsize=None)
 def fitted_drafter(name: str) -> Path:
     """A drafter fitted (training loss of ``train owl``) to the target's greedy continuations of PROMPT."""
-    ids = torch.tensor([PROMPT + list(ar_output(name, *s)) for s in SETTINGS[name]])
+    ids = torch.tensor([PROMPT + list(ar_output(name, *s, NEW_TOKENS)) for s in SETTINGS[name]])
     return fit_drafter(model(name).model, ids, FIT_STEPS).save(Path(_TMP.name) / name)
 
 
@@ -99,7 +78,7 @@ def test_greedy_owl_and_howl_equal_plain_decoding(method, name, setting, kind, e
     assert isinstance(decoder, HowlDecoder if method == "howl" else OwlDecoder)
     result = decoder.generate(PROMPT, NEW_TOKENS)
     assert result.finish_reason == "length" and result.error is None
-    assert tuple(result.output_ids) == ar_output(name, penalty, window)
+    assert tuple(result.output_ids) == ar_output(name, penalty, window, NEW_TOKENS)
     s = result.stats
     # It must actually speculate, or the comparison proves nothing.
     assert s.accepted > 0 and result.accept_length > min_tau
