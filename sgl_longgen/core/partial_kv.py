@@ -88,17 +88,22 @@ class PartialKVPolicy:
         if self.pending is None and length - self.sel_len > self.capacity:
             self.pending = length
 
-    def visible(self) -> torch.Tensor:
-        """``[groups, n]`` positions the draft token attends to besides itself (sorted per row)."""
+    def visible_parts(self) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """The visible positions as ranges ``[lo, hi)`` plus kept selected positions ``[groups, m]``.
+
+        Disjoint; :meth:`visible` is their sorted union. Attention does not care about order, so
+        engines can gather slots from the parts directly.
+        """
         L = self.length
-        sinks = torch.arange(min(self.sinks, L), dtype=torch.long)
+        s = min(self.sinks, L)
         if self.pending is not None:
-            lo = max(min(self.sinks, L), L - self.capacity)
-            rest = torch.arange(lo, L, dtype=torch.long)
-            row = torch.cat([sinks, rest])
-            return row.expand(self.groups, -1)
+            return [(0, s), (max(s, L - self.capacity), L)], self.selected[:, :0]
         n_new = L - self.sel_len
         keep = self.selected[:, : max(0, self.capacity - n_new)]
-        new = torch.arange(self.sel_len, L, dtype=torch.long).expand(self.groups, -1)
-        out = torch.cat([sinks.expand(self.groups, -1), keep, new], dim=1)
-        return out.sort(dim=1).values
+        return [(0, s), (max(s, self.sel_len), L)], keep
+
+    def visible(self) -> torch.Tensor:
+        """``[groups, n]`` positions the draft token attends to besides itself (sorted per row)."""
+        ranges, keep = self.visible_parts()
+        parts = [torch.arange(lo, hi, dtype=torch.long).expand(self.groups, -1) for lo, hi in ranges]
+        return torch.cat([*parts, keep], dim=1).sort(dim=1).values

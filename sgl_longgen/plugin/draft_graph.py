@@ -5,7 +5,11 @@ SGLang captures graphs of speculative algorithms only at their verify width, so 
 8B model's 32 layers spend ~20 ms in Python and kernel launches for ~6 ms of GPU work. This
 runner captures that same model forward once per batch size, with the attention backend's own
 graph-mode decode wrappers (``init_forward_metadata_out_graph``), and replays it after
-re-planning the wrappers with the step's indices.
+re-planning the wrappers with the step's indices. The method's own device work on the forward's
+outputs (``post``: TokenSwift's heads and their top-k) is captured in the same graph.
+
+A replay needs only the few tensors the graph reads (:data:`INPUTS`), so a step whose graph
+exists skips building a ``ForwardBatch`` (:meth:`DraftGraphRunner.replay`).
 
 Steps that re-score the committed positions for the partial-KV policy (forward hooks that read
 each layer's query) stay eager, as does anything the runner cannot serve. The first replay of
@@ -17,6 +21,7 @@ a wrong one would cost acceptance silently).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _STATIC = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+# What a replay reads: the static tensors, plus what re-plans the attention wrappers.
+INPUTS = (*_STATIC, "seq_lens_cpu", "seq_lens_sum", "spec_info")
+
+Post = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -31,13 +40,16 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: object  # the ForwardBatch whose tensors the graph reads
     logits: torch.Tensor
-    hidden: torch.Tensor | None
+    outputs: tuple[torch.Tensor, ...]
 
 
 class DraftGraphRunner:
-    def __init__(self, model_runner, capture, max_bs: int = 8):
+    """``post(logits, pre_norm_states)`` runs after the forward, in the graph when there is one."""
+
+    def __init__(self, model_runner, capture, post: Post, max_bs: int = 8):
         self.runner = model_runner
         self.capture = capture  # PreNormCapture on the same model
+        self.post = post
         self.max_bs = max_bs
         self.graphs: dict[int, _Graph] = {}
         self.enabled: bool | None = None  # decided at the first draft: the backend exists by then
@@ -58,15 +70,23 @@ class DraftGraphRunner:
         spec = forward_batch.spec_info
         return self.enabled and forward_batch.batch_size <= self.max_bs and not spec.wants_scores
 
-    def run(self, forward_batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next-token logits ``[bs, vocab]`` and the pre-norm states of the roots."""
-        bs = forward_batch.batch_size
-        entry = self.graphs.get(bs)
+    def ready(self, batch_size: int) -> bool:
+        """A graph for this batch size exists: :meth:`replay` can serve the step."""
+        return bool(self.enabled) and batch_size in self.graphs
+
+    def run(self, forward_batch) -> tuple[torch.Tensor, ...]:
+        """``post``'s outputs for this forward (captured first if its batch size is new)."""
+        entry = self.graphs.get(forward_batch.batch_size)
         if entry is None:
             return self._capture(forward_batch)
-        self._load(entry, forward_batch)
+        return self.replay(forward_batch)
+
+    def replay(self, inputs) -> tuple[torch.Tensor, ...]:
+        """Replay the graph of ``inputs.input_ids``'s batch size; ``inputs`` has :data:`INPUTS`."""
+        entry = self.graphs[inputs.input_ids.shape[0]]
+        self._load(entry, inputs)
         entry.graph.replay()
-        return entry.logits, entry.hidden
+        return entry.outputs
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -75,22 +95,23 @@ class DraftGraphRunner:
 
         return forward_context(ForwardContext(attn_backend=self.runner.attn_backend))
 
-    def _load(self, entry: _Graph, forward_batch) -> None:
+    def _load(self, entry: _Graph, inputs) -> None:
         static = entry.batch
         for name in _STATIC:
-            getattr(static, name).copy_(getattr(forward_batch, name))
-        static.seq_lens_cpu = forward_batch.seq_lens_cpu
-        static.seq_lens_sum = forward_batch.seq_lens_sum
-        static.spec_info = forward_batch.spec_info  # its kv_indptr / kv_indices plan the wrappers
+            getattr(static, name).copy_(getattr(inputs, name), non_blocking=True)
+        static.seq_lens_cpu = inputs.seq_lens_cpu
+        static.seq_lens_sum = inputs.seq_lens_sum
+        static.spec_info = inputs.spec_info  # its kv_indptr / kv_indices plan the wrappers
         with self._context():
             self.runner.attn_backend.init_forward_metadata_out_graph(static, in_capture=False)
 
     def _forward(self, forward_batch):
         with self.capture:
             out = self.runner.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        return out.next_token_logits, self.capture.value
+        logits = out.next_token_logits
+        return logits, self.post(logits, self.capture.value)
 
-    def _capture(self, forward_batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _capture(self, forward_batch) -> tuple[torch.Tensor, ...]:
         """Capture for this batch size, then check one replay against the eager forward."""
         from sglang.srt.model_executor.runner_utils import capture_mode
 
@@ -101,18 +122,18 @@ class DraftGraphRunner:
         try:
             with self._context():
                 backend.init_forward_metadata_out_graph(forward_batch, in_capture=True)
-                eager_logits, eager_hidden = self._forward(forward_batch)  # warm-up and reference
+                eager_logits, eager_outputs = self._forward(forward_batch)  # warm-up and reference
                 eager_logits = eager_logits.clone()
-                eager_hidden = eager_hidden.clone() if eager_hidden is not None else None
+                eager_outputs = tuple(t.clone() for t in eager_outputs)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 previous, capture_mode.is_capture_mode = capture_mode.is_capture_mode, True
                 try:
                     with torch.cuda.graph(graph):
-                        logits, hidden = self._forward(forward_batch)
+                        logits, outputs = self._forward(forward_batch)
                 finally:
                     capture_mode.is_capture_mode = previous
-            entry = _Graph(graph, forward_batch, logits, hidden)
+            entry = _Graph(graph, forward_batch, logits, outputs)
             self._load(entry, forward_batch)
             graph.replay()
             torch.cuda.synchronize()
@@ -125,8 +146,7 @@ class DraftGraphRunner:
             logger.warning("draft CUDA graphs off (batch size %d): %s", bs, exc)
             with self._context():
                 backend.init_forward_metadata(forward_batch)
-                logits, hidden = self._forward(forward_batch)
-            return logits, hidden
+                return self._forward(forward_batch)[1]
         self.graphs[bs] = entry
         logger.info("captured the draft forward for batch size %d", bs)
-        return eager_logits, eager_hidden
+        return eager_outputs

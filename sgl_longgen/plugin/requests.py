@@ -7,6 +7,7 @@ requests joining and leaving the batch never disturb each other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +19,65 @@ from ..config import SamplingConfig
 _TOP_K_ALL = 1 << 30
 
 
-def request_tokens(req) -> list[int]:
+class TokenHistory(Sequence):
+    """Prompt plus committed output (plus this step's verdict), read in place.
+
+    A 100K-token request would otherwise copy its whole history twice per step; every reader
+    (penalty windows, n-gram indexing, suffix matching) only looks at the tail or at new tokens.
+    """
+
+    __slots__ = ("_parts", "_ends")
+
+    def __init__(self, *parts: Sequence[int]):
+        self._parts = parts
+        ends, total = [], 0
+        for part in parts:
+            total += len(part)
+            ends.append(total)
+        self._ends = ends
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            out: list[int] = []
+            begin = 0
+            for part, end in zip(self._parts, self._ends):
+                if stop <= begin:
+                    break
+                if start < end:
+                    out.extend(part[max(start - begin, 0) : min(stop, end) - begin])
+                begin = end
+            return out
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("history index out of range")
+        begin = 0
+        for part, end in zip(self._parts, self._ends):
+            if index < end:
+                return int(part[index - begin])
+            begin = end
+        raise IndexError("history index out of range")  # unreachable
+
+    def __iter__(self):
+        for part in self._parts:
+            for t in part:
+                yield int(t)
+
+    def extended(self, tokens: Sequence[int]) -> "TokenHistory":
+        """This history followed by ``tokens`` (nothing is copied but ``tokens``)."""
+        return TokenHistory(*self._parts, list(tokens))
+
+
+def request_tokens(req) -> TokenHistory:
     """Prompt plus everything committed so far; the last token is the next root."""
-    return list(req.origin_input_ids) + list(req.output_ids)
+    return TokenHistory(req.origin_input_ids, req.output_ids)
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Per step and request: the root token goes through SGLang's model runner in DECODE mode over the
 request's *partial* KV only (explicit ``kv_indices``: sinks, the selected positions and the
 newest ones), the pre-norm state feeds the three heads, and their top candidates plus n-grams of
-the request's history form the trie that :class:`TreeSpecWorker` verifies. Whenever the newest
+the request's history form the trie that :class:`TreeSpecWorker` verifies. The forward, the heads
+and their top-k replay as one CUDA graph (:mod:`.draft_graph`); the host reads back a few
+candidates per head. Whenever the newest
 tokens would reach the sinks, that same draft forward re-scores the committed positions with the
 root's query.
 """
@@ -11,6 +13,7 @@ root's query.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -19,9 +22,8 @@ from ..config import PartialKVConfig
 from ..core.heads import load_heads
 from ..core.ngram import NgramPool
 from ..core.partial_kv import PartialKVPolicy
-from ..core.penalty import tree_window_mask
-from ..core.sampling import LogitsProcessor
-from ..core.tree import DraftTree, Source, cartesian_paths
+from ..core.tokenswift import candidate_count, draft_trie, head_candidates, rank_candidates
+from ..core.tree import DraftTree
 from ..core.verify import Verdict
 from .capture import ImportanceScorer, PreNormCapture
 from .draft_dir import inspect_heads_draft_dir
@@ -35,6 +37,8 @@ from .tree_worker import StepRequest, TreeSpecWorker
 class TokenSwiftState:
     pool: NgramPool | None
     policy: PartialKVPolicy
+    # The policy's current selection on the device: (its host tensor, the device copy).
+    selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class TokenSwiftWorker(TreeSpecWorker):
@@ -54,7 +58,8 @@ class TokenSwiftWorker(TreeSpecWorker):
         self.lm_head_weight = self.model.lm_head.weight
         self.capture = PreNormCapture(self.model)
         self.scorer = ImportanceScorer(self.model_runner)
-        self.draft_graphs = DraftGraphRunner(self.model_runner, self.capture)
+        self.num_candidates = candidate_count(self.ts.tree, self.vocab_size)
+        self.draft_graphs = DraftGraphRunner(self.model_runner, self.capture, self._candidates)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -75,82 +80,90 @@ class TokenSwiftWorker(TreeSpecWorker):
 
     # -- draft -------------------------------------------------------------------------------------
 
-    def _partial_forward(self, batch, steps: list[StepRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Root tokens through the target over their partial KV; base logits and pre-norm states."""
+    def _candidates(self, logits: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' raw top candidates (in the draft graph when there is one)."""
+        return head_candidates(self.heads, h0, logits, self.lm_head_weight, self.ts.num_heads, self.vocab_size,
+                               self.num_candidates)
+
+    def _draft_inputs(self, batch, steps: list[StepRequest]) -> SimpleNamespace:
+        """What the draft forward reads: each root over its request's partial KV (see :data:`INPUTS`)."""
         dev = self.device
-        rows = batch.req_to_token_pool.req_to_token
+        table = batch.req_to_token_pool.req_to_token
         indices, lens = [], []
         for b, step in enumerate(steps):
-            policy = step.state.method_state.policy
-            positions = policy.visible()[0].to(dev)
-            rp = batch.req_pool_indices[b]
-            slots = rows[rp, positions]
-            root_slot = rows[rp, step.seq_len : step.seq_len + 1]
-            indices.append(torch.cat([slots, root_slot]))
-            lens.append(len(positions) + 1)
-        kv_indices = torch.cat(indices).to(torch.int32)
-        score_ranges = [self._score_range(step) for step in steps]
-        kv_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-        kv_indptr = torch.zeros(len(steps) + 1, dtype=torch.int32, device=dev)
-        kv_indptr[1:] = torch.cumsum(kv_lens, 0)
+            state: TokenSwiftState = step.state.method_state
+            ranges, keep = state.policy.visible_parts()
+            if keep.shape[1] and (state.selected is None or state.selected[0] is not state.policy.selected):
+                state.selected = (state.policy.selected, state.policy.selected[0].to(dev))
+            row = table[batch.req_pool_indices[b]]
+            parts = [row[lo:hi] for lo, hi in ranges if hi > lo]
+            if keep.shape[1]:
+                parts.append(row[state.selected[1][: keep.shape[1]]])
+            parts.append(row[step.seq_len : step.seq_len + 1])  # the root's own slot
+            indices.append(torch.cat(parts))
+            lens.append(sum(hi - lo for lo, hi in ranges) + keep.shape[1] + 1)
+        kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        indptr = torch.zeros(len(steps) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(kv_lens_cpu, 0)
+        positions = batch.seq_lens.to(torch.int64)
+        spec = PartialDraftInput(positions=positions, kv_indptr=indptr.to(dev, non_blocking=True),
+                                 kv_indices=torch.cat(indices).to(torch.int32),
+                                 score_ranges=[self._score_range(step) for step in steps])
+        roots = torch.tensor([s.root for s in steps], dtype=torch.int64).to(dev, non_blocking=True)
+        # The root's slot is the first of its verify window: verify overwrites it right after.
+        root_slots = table[batch.req_pool_indices, positions].to(torch.int64)
+        return SimpleNamespace(input_ids=roots, positions=positions, out_cache_loc=root_slots,
+                               req_pool_indices=batch.req_pool_indices, seq_lens=kv_lens_cpu.to(dev, non_blocking=True),
+                               seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
-        saved = (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info,
-                 batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum)
-        roots = torch.tensor([s.root for s in steps], dtype=torch.int64, device=dev)
-        root_slots = torch.stack([rows[batch.req_pool_indices[b], s.seq_len] for b, s in enumerate(steps)])
-        try:
-            # The root's slot is the first of its verify window: verify overwrites it right after.
-            batch.forward_mode = ForwardMode.DECODE
-            batch.input_ids = roots
-            batch.out_cache_loc = root_slots.to(torch.int64)
-            spec = PartialDraftInput(positions=batch.seq_lens.to(torch.int64), kv_indptr=kv_indptr,
-                                     kv_indices=kv_indices, score_ranges=score_ranges)
-            batch.spec_info = spec
-            batch.seq_lens = kv_lens
-            batch.seq_lens_cpu = kv_lens.cpu()
-            batch.seq_lens_sum = int(sum(lens))
-            forward_batch = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
-            if self.draft_graphs.can_run(forward_batch):
-                logits, h0 = self.draft_graphs.run(forward_batch)
-            else:
-                with self.capture:
-                    logits = self.model_runner.forward(forward_batch).logits_output.next_token_logits
-                h0 = self.capture.value
-        finally:
-            (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info,
-             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum) = saved
+    def _partial_forward(self, batch, steps: list[StepRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Root tokens through the target over their partial KV; the heads' raw top candidates."""
+        inputs = self._draft_inputs(batch, steps)
+        spec = inputs.spec_info
+        self.timer.section("draft_inputs")
+        if self.draft_graphs.ready(len(steps)) and not spec.wants_scores:
+            values, ids = self.draft_graphs.replay(inputs)
+        else:
+            values, ids = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
             steps[b].state.method_state.policy.select(scores[None, None].cpu())
-        return logits[:, : self.vocab_size], h0
+        self.timer.section("draft_forward")
+        return values, ids
+
+    def _forward_batch(self, batch, inputs: SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft forward through a ``ForwardBatch``: first captures, scoring steps, no graphs."""
+        names = ("forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu", "seq_lens_sum")
+        saved = tuple(getattr(batch, k) for k in names)
+        try:
+            batch.forward_mode = ForwardMode.DECODE
+            for k in names[1:]:
+                setattr(batch, k, getattr(inputs, k))
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
+            if self.draft_graphs.can_run(forward_batch):
+                return self.draft_graphs.run(forward_batch)
+            with self.capture:
+                logits = self.model_runner.forward(forward_batch).logits_output.next_token_logits
+            return self._candidates(logits, self.capture.value)
+        finally:
+            for k, v in zip(names, saved):
+                setattr(batch, k, v)
 
     @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:
-        base_logits, h0 = self._partial_forward(batch, steps)
-        head_states = torch.stack(self.heads(h0)[: self.ts.num_heads], dim=1)  # [bs, heads, d]
-        head_logits = torch.matmul(head_states, self.lm_head_weight.t())[..., : self.vocab_size]
-        all_logits = torch.cat([base_logits[:, None].to(head_logits.dtype), head_logits], dim=1).float()
+        values, ids = self._partial_forward(batch, steps)
+        values, ids = values.cpu(), ids.cpu()
         width = max(self.ts.tree)
         trees = []
         for b, step in enumerate(steps):
-            tree = DraftTree(step.root)
-            trees.append(tree)
             if step.blocker is not None:
+                trees.append(DraftTree(step.root))
                 continue
-            proc = LogitsProcessor(step.sampling, self.vocab_size)
-            rows = all_logits[b]
-            mask = None
-            if step.sampling.penalty_active:
-                # Proposals only decide what gets verified: the committed window is enough.
-                mask = tree_window_mask(step.history, [[]] * rows.shape[0], step.sampling.penalty_window,
-                                        self.vocab_size, rows.device)
-            cands = proc.top_candidates(rows, width, mask)
-            for path in cartesian_paths(cands, self.ts.tree):
-                tree.add_path(path, Source.HEADS, max_nodes=self.num_nodes)
-            pool = step.state.method_state.pool
-            if pool is not None and cands[0]:
-                d1 = cands[0][0]
-                for cont in pool.lookup(d1):
-                    tree.add_path((d1, *cont), Source.NGRAM, max_nodes=self.num_nodes)
+            sampling = step.sampling
+            # Proposals only decide what gets verified: the committed window is enough.
+            window = set(step.history[-sampling.penalty_window :]) if sampling.penalty_active else None
+            cands = rank_candidates(values[b], ids[b], sampling, window, width)
+            trees.append(draft_trie(step.root, cands, self.ts.tree, step.state.method_state.pool, self.num_nodes))
+        self.timer.section("draft_tree")
         return trees
 
     # -- commit ----------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ per step, drawn from SGLang's own processing of the root.
 from __future__ import annotations
 
 import logging
-import time
 from abc import abstractmethod
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ from .requests import (
     tree_blocker,
 )
 from .spec_inputs import TreeVerifyInput, relay_input
+from .step_timer import DETAIL_PARAM, StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class TreeSpecWorker(BaseSpecWorker):
         backend = server_args.decode_attention_backend or server_args.attention_backend
         self.needs_full_mask = backend not in TREE_MASK_BACKENDS
         self.set_penalty_defaults(PenaltyDefaults())
+        self.timer = StepTimer(self.device)
 
     def set_penalty_defaults(self, defaults: PenaltyDefaults) -> None:
         self.penalty_defaults = defaults
@@ -178,9 +179,10 @@ class TreeSpecWorker(BaseSpecWorker):
                 del self.states[rid]
 
     def _decode(self, batch, on_publish) -> GenerationBatchResult:
-        t0 = time.perf_counter()
-        self.step_count += 1
         reqs = batch.reqs
+        timer = self.timer
+        timer.start(any((r.sampling_params.custom_params or {}).get(DETAIL_PARAM) for r in reqs))
+        self.step_count += 1
         bs, n = len(reqs), self.num_nodes
         seq_lens = batch.seq_lens
         seq_cpu = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else seq_lens.tolist()
@@ -194,12 +196,13 @@ class TreeSpecWorker(BaseSpecWorker):
                 state.method_state = self.new_method_state(step)
             steps.append(step)
         self._gc({r.rid for r in reqs})
+        timer.section("setup")
 
         trees = self.draft(batch, steps)
         for step, tree in zip(steps, trees):
             if step.blocker is not None and len(tree) > 1:
                 raise RuntimeError("draft() must return a root-only tree for blocked requests")
-        t1 = time.perf_counter()
+        timer.phase("draft")
 
         spec = self._verify_input(batch, steps, trees)
         rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices]
@@ -210,23 +213,25 @@ class TreeSpecWorker(BaseSpecWorker):
         batch.out_cache_loc = out_cache_loc
         batch.spec_info = spec
         self.prepare_verify(batch, steps, trees)
+        timer.section("verify_inputs")
         res = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits_output = res.logits_output
         self.after_verify_forward(steps, spec, logits_output)
-        if logits_output.next_token_logits.is_cuda:
-            torch.cuda.synchronize()  # the step breakdown times GPU work, not its launch
-        t2 = time.perf_counter()
+        timer.section("verify_forward")
+        timer.phase("verify", sync=True)  # the step breakdown times GPU work, not its launch
 
         draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
         verdicts = [walk_tree(tree, lambda node, d=d: d[node]) for tree, d in zip(trees, draws)]
-        self._move_accepted_kv(verdicts, out_cache_loc)
+        timer.section("draw")
+        self._commit_accepted_kv(batch, verdicts)
+        timer.section("commit_kv")
 
         next_ids = torch.zeros(bs, n, dtype=torch.int32)
         accept_lens_cpu = torch.zeros(bs, dtype=torch.int32)
         for b, (step, verdict) in enumerate(zip(steps, verdicts)):
             next_ids[b, : len(verdict.tokens)] = torch.tensor(verdict.tokens, dtype=torch.int32)
             accept_lens_cpu[b] = len(verdict.tokens)
-            step.history = step.history + verdict.tokens
+            step.history = step.history.extended(verdict.tokens)
         accept_lens = accept_lens_cpu.to(self.device)
         next_token_ids = next_ids.flatten().to(self.device)
         new_seq_lens = seq_lens + accept_lens
@@ -234,14 +239,13 @@ class TreeSpecWorker(BaseSpecWorker):
             self._logprobs(batch, logits_output, trees, draws, verdicts)
         if on_publish is not None:
             on_publish(new_seq_lens)
+        timer.section("result")
         self.after_commit(steps, verdicts)
         batch.forward_mode = ForwardMode.DECODE
-        t3 = time.perf_counter()
+        timer.section("after_commit")
+        timer.phase("overhead")
 
-        ms = lambda a, b: round((b - a) * 1e3, 3)
-        record_step_times(reqs, accept_lens_cpu.tolist(), {
-            "longgen_draft_ms": ms(t0, t1), "longgen_verify_ms": ms(t1, t2), "longgen_overhead_ms": ms(t2, t3),
-        })
+        record_step_times(reqs, accept_lens_cpu.tolist(), timer.values)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_token_ids,
@@ -298,8 +302,15 @@ class TreeSpecWorker(BaseSpecWorker):
             sampling_info.apply_logits_bias(root_sglang)
             if sampling_info.has_custom_logit_processor:
                 apply_custom_logit_processor(root_sglang, sampling_info)
+        plain_greedy = [s.blocker is None and s.sampling.greedy and not s.sampling.penalty_active for s in steps]
+        argmax = None
+        if any(plain_greedy) and sampling_info.logit_bias is None:
+            argmax = logits.argmax(dim=-1).tolist()  # one host sync for every such request
         draws = []
         for b, (step, tree) in enumerate(zip(steps, trees)):
+            if argmax is not None and plain_greedy[b]:
+                draws.append(argmax[b][: tree.num_walkable])
+                continue
             if step.blocker is not None:
                 # Any penalty is already in SGLang's processing of the root.
                 proc = LogitsProcessor(msgspec.structs.replace(step.sampling, penalty=1.0), vocab)
@@ -316,19 +327,39 @@ class TreeSpecWorker(BaseSpecWorker):
             draws.append(proc.sample(rows, mask, step.state.generator).tolist())
         return draws
 
-    def _move_accepted_kv(self, verdicts: list[Verdict], out_cache_loc: torch.Tensor) -> None:
-        """Accepted nodes' KV to the front of each verify window (root stays in place)."""
+    def _commit_accepted_kv(self, batch, verdicts: list[Verdict]) -> None:
+        """Put the accepted nodes' KV at the front of each verify window (the root stays in place).
+
+        With one token per page the slots of a window are only named by the request's
+        ``req_to_token`` row (SGLang frees and reuses over-allocated slots through it), so
+        permuting the row's window entries commits the path without touching the KV: a few
+        index ops instead of a gather and scatter per layer. Paged pools move the KV itself.
+        """
         n = self.num_nodes
+        moved = [b for b, v in enumerate(verdicts) if any(node != i for i, node in enumerate(v.nodes))]
+        if not moved:
+            return
+        if self.token_to_kv_pool_allocator.page_size == 1:
+            order = np.tile(np.arange(n, dtype=np.int64), (len(moved), 1))
+            for row, b in enumerate(moved):
+                order[row] = window_order(verdicts[b].nodes, n)
+            table = batch.req_to_token_pool.req_to_token
+            pool_rows = batch.req_pool_indices[moved].to(torch.int64)
+            cols = batch.seq_lens[moved].to(torch.int64)[:, None] + torch.arange(n, device=table.device)
+            window = table[pool_rows[:, None], cols]
+            order_dev = torch.from_numpy(order).to(table.device, non_blocking=True)
+            table[pool_rows[:, None], cols] = window.gather(1, order_dev)
+            return
+        rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices]
+        window = batch.seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=self.device)
+        out_cache_loc = torch.gather(rows, 1, window).flatten().to(torch.int64)
         tgt, src = [], []
-        for b, verdict in enumerate(verdicts):
-            for i, node in enumerate(verdict.nodes):
+        for b in moved:
+            for i, node in enumerate(verdicts[b].nodes):
                 if node != i:
                     tgt.append(b * n + i)
                     src.append(b * n + node)
-        if not tgt:
-            return
-        index = torch.tensor([tgt, src], dtype=torch.int64, device=out_cache_loc.device)
-        locs = out_cache_loc[index]
+        locs = out_cache_loc[torch.tensor([tgt, src], dtype=torch.int64, device=out_cache_loc.device)]
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         # Gather-then-scatter per layer: a target slot may be another pair's source.
         move_kv_cache_native(pool.k_buffer, pool.v_buffer, locs[0], locs[1])
@@ -343,6 +374,17 @@ class TreeSpecWorker(BaseSpecWorker):
             predict[b * n : b * n + len(d)] = torch.tensor(d)
             accept_index[b, : len(verdict.nodes)] = torch.tensor(verdict.nodes) + b * n
         compute_spec_v2_logprobs(batch, logits_output, predict.to(self.device), accept_index.to(self.device), n - 1)
+
+
+def window_order(nodes: list[int], n: int) -> np.ndarray:
+    """A permutation of a verify window's ``n`` slots that starts with the accepted ``nodes``."""
+    order = np.empty(n, dtype=np.int64)
+    k = len(nodes)
+    order[:k] = nodes
+    rest = np.ones(n, dtype=np.bool_)
+    rest[nodes] = False
+    order[k:] = np.flatnonzero(rest)
+    return order
 
 
 def record_step_times(reqs, accept_lens: list[int], values: dict[str, float]) -> None:

@@ -17,7 +17,9 @@ from ..config import GenerateConfig
 from ..core.heads import TokenSwiftHeads
 from ..core.ngram import NgramPool
 from ..core.partial_kv import PartialKVPolicy
-from ..core.tree import DraftTree, Source, cartesian_paths
+from ..core.penalty import window_tokens
+from ..core.tokenswift import candidate_count, draft_trie, head_candidates, rank_candidates
+from ..core.tree import DraftTree, Source
 from ..core.verify import verify_tree
 from ..errors import LonggenError
 from .checkpoint import LoadedModel
@@ -75,19 +77,13 @@ class TokenSwiftDecoder(Decoder):
         h0 = self.model(torch.tensor([root], device=dev), torch.tensor([self.length], device=dev), self.cache, spec)
         if spec.scores:
             self.policy.select(torch.stack(spec.scores))
-        states = [self.model.model.norm(h0)] + self.heads(h0)[: self.ts.num_heads]
-        logits = self.model.lm_head(torch.cat(states, dim=0))
+        vocab = self.loaded.config.vocab_size
+        values, ids = head_candidates(self.heads, h0, self.model.logits(h0), self.model.lm_head.weight,
+                                      self.ts.num_heads, vocab, candidate_count(self.ts.tree, vocab))
         # Proposals only decide what gets verified; the committed-context window is enough here.
-        windows = self.penalty_windows([[]] * logits.shape[0])
-        cands = self.processor.top_candidates(logits, max(self.ts.tree), windows)
-        tree = DraftTree(root)
-        for path in cartesian_paths(cands, self.ts.tree):
-            tree.add_path(path, Source.HEADS)
-        if self.pool is not None and cands[0]:
-            d1 = cands[0][0]
-            for cont in self.pool.lookup(d1):
-                tree.add_path((d1, *cont), Source.NGRAM)
-        return tree
+        window = set(window_tokens(self.history, [], self.window)) if self.window else None
+        cands = rank_candidates(values[0].cpu(), ids[0].cpu(), self.processor.params, window, max(self.ts.tree))
+        return draft_trie(root, cands, self.ts.tree, self.pool)
 
     def step(self) -> list[int]:
         dev = self.model.device

@@ -123,3 +123,14 @@ def test_heads_errors_name_the_file(tmp_path):
     (tmp_path / "h" / "heads.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(LonggenError, match="heads.json"):
         load_heads(tmp_path / "h")
+
+
+def test_positions_are_never_visible_twice_when_the_prompt_is_shorter_than_the_sinks():
+    policy = PartialKVPolicy(PartialKVConfig(budget=32, sinks=16, granularity="shared"), num_layers=1, num_kv_heads=1)
+    policy.reset(10)
+    start, end = policy.score_range()
+    policy.select(torch.randn(1, 1, end - start))
+    for length in (12, 20, 30):
+        policy.commit(length)
+        vis = policy.visible()[0].tolist()
+        assert vis == sorted(set(vis)) == list(range(length))

@@ -1,0 +1,99 @@
+"""TokenSwift's draft trie: the heads' top candidates in the Medusa shape, plus n-gram continuations.
+
+The device part (:func:`head_candidates`) is fixed-shape and never syncs, so an engine can run it
+inside the draft forward's CUDA graph. It hands the host a short list of raw candidates per head
+(:func:`candidate_count`: a few more than the tree's widest level), and the host part
+(:func:`rank_candidates`) applies the request's contextual penalty and filters to those few
+before :func:`draft_trie` builds the trie. Ranking a short list instead of the whole vocabulary
+only changes which tokens get verified, never the output: verification draws every committed
+token from the target distribution whatever the trie holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+
+import torch
+
+from ..config import SamplingConfig
+from .ngram import NgramPool
+from .penalty import apply_penalty
+from .tree import DraftTree, Source, cartesian_paths
+
+
+def candidate_count(tree: Sequence[int], vocab_size: int) -> int:
+    """Raw candidates kept per head: room for the penalty to demote a few of the widest level's."""
+    return min(vocab_size, max(16, 4 * max(tree)))
+
+
+def head_candidates(
+    heads,
+    h0: torch.Tensor,
+    base_logits: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    num_heads: int,
+    vocab_size: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` raw logits and token ids of the base head and each extra head: ``[bs, 1 + H, k]``.
+
+    ``h0``: ``[bs, d]`` pre-final-norm states of the root tokens; ``base_logits``: ``[bs, >= V]``
+    the model's own next-token logits. The extra heads share one GEMM with the LM head weight.
+    """
+    states = torch.stack(heads(h0)[:num_heads], dim=-2)  # [bs, H, d]
+    head_logits = torch.matmul(states.to(lm_head_weight.dtype), lm_head_weight.t())[..., :vocab_size]
+    rows = torch.cat([base_logits[..., None, :vocab_size].to(head_logits.dtype), head_logits], dim=-2)
+    values, ids = rows.float().topk(k, dim=-1)
+    return values, ids
+
+
+def rank_candidates(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    params: SamplingConfig,
+    window: Collection[int] | None,
+    width: int,
+) -> list[list[int]]:
+    """Up to ``width`` proposals per row from raw ``(values, ids)`` (``[rows, k]``, host tensors).
+
+    The contextual penalty re-ranks them (``window``: the penalized tokens); top-k and min-p drop
+    what the verifier could never accept. Top-p needs the whole distribution's mass and is left to
+    the verifier.
+    """
+    values = values.float()
+    if window and params.penalty_active:
+        mask = torch.tensor([[t in window for t in row] for row in ids.tolist()], dtype=torch.bool)
+        values = apply_penalty(values, mask, params.penalty)
+    ranked, order = values.sort(dim=-1, descending=True, stable=True)
+    ranked_ids = ids.gather(-1, order)
+    limit = width if params.greedy or params.top_k <= 0 else min(width, params.top_k)
+    out = []
+    for v, t in zip(ranked.tolist(), ranked_ids.tolist()):
+        keep = []
+        for value, token in zip(v[:limit], t[:limit]):
+            if value == float("-inf"):
+                break
+            if not params.greedy and params.min_p > 0 and (value - v[0]) / params.temperature < math.log(params.min_p):
+                break
+            keep.append(int(token))
+        out.append(keep)
+    return out
+
+
+def draft_trie(
+    root: int,
+    candidates: Sequence[Sequence[int]],
+    branching: Sequence[int],
+    pool: NgramPool | None,
+    max_nodes: int | None = None,
+) -> DraftTree:
+    """The heads' cartesian tree, then the n-gram pool's continuations of the top depth-1 token."""
+    tree = DraftTree(root)
+    for path in cartesian_paths(candidates, branching):
+        tree.add_path(path, Source.HEADS, max_nodes=max_nodes)
+    if pool is not None and candidates and candidates[0]:
+        d1 = candidates[0][0]
+        for cont in pool.lookup(d1):
+            tree.add_path((d1, *cont), Source.NGRAM, max_nodes=max_nodes)
+    return tree

@@ -1,0 +1,65 @@
+import torch
+
+from sgl_longgen.config import SamplingConfig
+from sgl_longgen.core.heads import TokenSwiftHeads
+from sgl_longgen.core.ngram import NgramPool
+from sgl_longgen.core.penalty import apply_penalty
+from sgl_longgen.core.sampling import LogitsProcessor
+from sgl_longgen.core.tokenswift import candidate_count, draft_trie, head_candidates, rank_candidates
+from sgl_longgen.core.tree import Source
+
+
+def test_head_candidates_are_the_top_logits_of_the_base_head_and_each_extra_head():
+    gen = torch.Generator().manual_seed(0)
+    d, vocab, padded = 16, 50, 64  # engines pad the LM head past the vocabulary
+    heads = TokenSwiftHeads(d, 3)
+    heads.reset_parameters(gen, std=0.5)
+    weight = torch.randn(padded, d, generator=gen)
+    h0 = torch.randn(2, d, generator=gen)
+    base = torch.randn(2, padded, generator=gen)
+    values, ids = head_candidates(heads, h0, base, weight, 3, vocab, 8)
+    assert values.shape == ids.shape == (2, 4, 8)
+    full = torch.cat([base[:, None, :vocab], torch.stack(heads(h0), dim=1) @ weight[:vocab].t()], dim=1)
+    want_v, want_i = full.topk(8, dim=-1)
+    assert torch.equal(ids, want_i) and torch.allclose(values, want_v)
+    assert int(ids.max()) < vocab
+
+
+def test_ranking_a_short_list_matches_the_full_processor_when_the_list_covers_the_width():
+    gen = torch.Generator().manual_seed(1)
+    vocab = 40
+    logits = torch.randn(3, vocab, generator=gen) * 3
+    history = [5, 7, 9, 11, 5]
+    params = SamplingConfig(temperature=0.0, penalty=1.8, penalty_window=4)
+    window = set(history[-4:])
+    values, ids = logits.topk(candidate_count([1, 3, 3, 3], vocab), dim=-1)
+    got = rank_candidates(values, ids, params, window, 3)
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[list(window)] = True
+    penalized = apply_penalty(logits, mask.expand(3, vocab), params.penalty)
+    assert got == penalized.topk(3, dim=-1).indices.tolist()
+    # The same as the whole-vocabulary processor the runtime's verifier uses.
+    assert got == LogitsProcessor(params, vocab).top_candidates(logits, 3, mask.expand(3, vocab))
+
+
+def test_ranking_drops_what_top_k_and_min_p_would_remove():
+    values = torch.tensor([[4.0, 3.9, 1.0, 0.5, -1.0]])
+    ids = torch.tensor([[10, 11, 12, 13, 14]])
+    sampled = SamplingConfig(temperature=1.0, top_k=3)
+    assert rank_candidates(values, ids, sampled, None, 5) == [[10, 11, 12]]
+    # min_p = 0.1 keeps p >= 0.1 * p_max, i.e. logit >= 4 + ln 0.1 = 1.70.
+    assert rank_candidates(values, ids, SamplingConfig(temperature=1.0, min_p=0.1), None, 5) == [[10, 11]]
+    # A higher temperature flattens the distribution: more survive.
+    assert rank_candidates(values, ids, SamplingConfig(temperature=2.0, min_p=0.1), None, 5) == [[10, 11, 12, 13]]
+    assert rank_candidates(values, ids, SamplingConfig(temperature=0.0, min_p=0.1), None, 2) == [[10, 11]]
+
+
+def test_draft_trie_merges_the_head_tree_with_ngram_continuations():
+    pool = NgramPool(n=3, top_k=4)
+    pool.extend([1, 2, 3, 1, 2, 4, 1, 9, 9])
+    tree = draft_trie(8, [[1], [2, 5], [3]], [1, 2, 1], pool)
+    paths = {tuple(tree.path_tokens(i)): tree.sources[i] for i in range(1, len(tree))}
+    assert paths[(1, 2, 3)] == Source.HEADS | Source.NGRAM
+    assert paths[(1, 5, 3)] == Source.HEADS
+    assert paths[(1, 2, 4)] == Source.NGRAM and paths[(1, 9, 9)] == Source.NGRAM
+    assert len(draft_trie(8, [[1], [2, 5], [3]], [1, 2, 1], pool, max_nodes=4)) == 4

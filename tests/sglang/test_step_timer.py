@@ -1,0 +1,39 @@
+import time
+
+import torch
+
+from sgl_longgen.plugin.step_timer import DETAIL_ENV, StepTimer
+
+
+def _step(timer: StepTimer) -> dict[str, float]:
+    time.sleep(0.002)
+    timer.section("a")
+    time.sleep(0.004)
+    timer.phase("draft")
+    time.sleep(0.001)
+    timer.phase("verify", sync=True)
+    return timer.values
+
+
+def test_coarse_phases_always_and_sections_only_in_detail_mode(monkeypatch):
+    monkeypatch.delenv(DETAIL_ENV, raising=False)
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    coarse = _step(timer)
+    assert set(coarse) == {"longgen_draft_ms", "longgen_verify_ms"}
+    assert coarse["longgen_draft_ms"] >= 6.0 and coarse["longgen_verify_ms"] >= 1.0
+
+    timer.start(detail=True)  # one request asked for it
+    detail = _step(timer)
+    assert set(detail) == {"longgen_a_ms", "longgen_draft_ms", "longgen_verify_ms"}
+    assert 2.0 <= detail["longgen_a_ms"] <= detail["longgen_draft_ms"]
+
+    timer.start()  # the next step is coarse again
+    assert "longgen_a_ms" not in _step(timer)
+
+
+def test_the_environment_turns_detail_on_for_every_step(monkeypatch):
+    monkeypatch.setenv(DETAIL_ENV, "1")
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    assert "longgen_a_ms" in _step(timer)
