@@ -30,7 +30,7 @@ def candidate_count(tree: Sequence[int], vocab_size: int) -> int:
 def head_candidates(
     heads,
     h0: torch.Tensor,
-    base_logits: torch.Tensor,
+    normed: torch.Tensor,
     lm_head_weight: torch.Tensor,
     num_heads: int,
     vocab_size: int,
@@ -38,13 +38,13 @@ def head_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` raw logits and token ids of the base head and each extra head: ``[bs, 1 + H, k]``.
 
-    ``h0``: ``[bs, d]`` pre-final-norm states of the root tokens; ``base_logits``: ``[bs, >= V]``
-    the model's own next-token logits. The extra heads share one GEMM with the LM head weight.
+    ``h0``: ``[bs, d]`` pre-final-norm states of the root tokens; ``normed``: the final norm's
+    output for them (what the LM head reads). All ``1 + H`` rows share one GEMM with the LM head
+    weight: one read of a 128K-row head instead of two.
     """
-    states = torch.stack(heads(h0)[:num_heads], dim=-2)  # [bs, H, d]
-    head_logits = torch.matmul(states.to(lm_head_weight.dtype), lm_head_weight.t())[..., :vocab_size]
-    rows = torch.cat([base_logits[..., None, :vocab_size].to(head_logits.dtype), head_logits], dim=-2)
-    values, ids = rows.float().topk(k, dim=-1)
+    states = torch.stack([normed, *heads(h0)[:num_heads]], dim=-2)  # [bs, 1 + H, d]
+    logits = torch.matmul(states.to(lm_head_weight.dtype), lm_head_weight.t())[..., :vocab_size]
+    values, ids = logits.float().topk(k, dim=-1)
     return values, ids
 
 

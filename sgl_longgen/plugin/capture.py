@@ -28,16 +28,20 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 
 class PreNormCapture:
-    """Captures ``hidden + residual`` entering the final norm while armed.
+    """Captures ``hidden + residual`` entering the final norm, and its output, while armed.
 
     SGLang fuses the last residual add into the final RMSNorm call, so the raw residual stream
-    that TokenSwift's heads read exists only as the sum of the norm's two inputs.
+    that TokenSwift's heads read exists only as the sum of the norm's two inputs. The output
+    (``normed``) is what the LM head reads, so the base head can share the heads' GEMM.
     """
 
     def __init__(self, model: nn.Module):
         self.value: torch.Tensor | None = None
+        self.normed: torch.Tensor | None = None
         self.armed = False
-        final_norm(model).register_forward_pre_hook(self._hook)
+        norm = final_norm(model)
+        norm.register_forward_pre_hook(self._hook)
+        norm.register_forward_hook(self._out_hook)
 
     def _hook(self, module, args):
         if not self.armed:
@@ -47,8 +51,13 @@ class PreNormCapture:
         self.value = x + residual if residual is not None else x.clone()
         return None
 
+    def _out_hook(self, module, args, output):
+        if self.armed:
+            self.normed = output[0] if isinstance(output, tuple) else output
+        return None
+
     def __enter__(self) -> "PreNormCapture":
-        self.value, self.armed = None, True
+        self.value, self.normed, self.armed = None, None, True
         return self
 
     def __exit__(self, *exc) -> None:

@@ -5,8 +5,9 @@ SGLang captures graphs of speculative algorithms only at their verify width, so 
 8B model's 32 layers spend ~20 ms in Python and kernel launches for ~6 ms of GPU work. This
 runner captures that same model forward once per batch size, with the attention backend's own
 graph-mode decode wrappers (``init_forward_metadata_out_graph``), and replays it after
-re-planning the wrappers with the step's indices. The method's own device work on the forward's
-outputs (``post``: TokenSwift's heads and their top-k) is captured in the same graph.
+re-planning the wrappers with the step's indices. The graph runs the decoder stack only (no
+LM head): the method's own device work on the final states (``post``: TokenSwift's base and extra
+heads in one GEMM, and their top-k) is captured in the same graph.
 
 A replay needs only the few tensors the graph reads (:data:`INPUTS`), so a step whose graph
 exists skips building a ``ForwardBatch`` (:meth:`DraftGraphRunner.replay`).
@@ -39,12 +40,12 @@ Post = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: object  # the ForwardBatch whose tensors the graph reads
-    logits: torch.Tensor
+    normed: torch.Tensor  # the final norm's output: compared with the eager forward's at capture
     outputs: tuple[torch.Tensor, ...]
 
 
 class DraftGraphRunner:
-    """``post(logits, pre_norm_states)`` runs after the forward, in the graph when there is one."""
+    """``post(normed_states, pre_norm_states)`` runs after the forward, in the graph when there is one."""
 
     def __init__(self, model_runner, capture, post: Post, max_bs: int = 8):
         self.runner = model_runner
@@ -106,10 +107,13 @@ class DraftGraphRunner:
             self.runner.attn_backend.init_forward_metadata_out_graph(static, in_capture=False)
 
     def _forward(self, forward_batch):
+        model = self.runner.model
+        decoder = getattr(model, "model", None)  # the decoder stack without the LM head
+        run = decoder if isinstance(decoder, torch.nn.Module) else model
         with self.capture:
-            out = self.runner.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        logits = out.next_token_logits
-        return logits, self.post(logits, self.capture.value)
+            run(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        normed, pre_norm = self.capture.normed, self.capture.value
+        return normed, self.post(normed, pre_norm)
 
     def _capture(self, forward_batch) -> tuple[torch.Tensor, ...]:
         """Capture for this batch size, then check one replay against the eager forward."""
@@ -122,25 +126,25 @@ class DraftGraphRunner:
         try:
             with self._context():
                 backend.init_forward_metadata_out_graph(forward_batch, in_capture=True)
-                eager_logits, eager_outputs = self._forward(forward_batch)  # warm-up and reference
-                eager_logits = eager_logits.clone()
+                eager_normed, eager_outputs = self._forward(forward_batch)  # warm-up and reference
+                eager_normed = eager_normed.clone()
                 eager_outputs = tuple(t.clone() for t in eager_outputs)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 previous, capture_mode.is_capture_mode = capture_mode.is_capture_mode, True
                 try:
                     with torch.cuda.graph(graph):
-                        logits, outputs = self._forward(forward_batch)
+                        normed, outputs = self._forward(forward_batch)
                 finally:
                     capture_mode.is_capture_mode = previous
-            entry = _Graph(graph, forward_batch, logits, outputs)
+            entry = _Graph(graph, forward_batch, normed, outputs)
             self._load(entry, forward_batch)
             graph.replay()
             torch.cuda.synchronize()
-            err = (logits.float() - eager_logits.float()).abs().max().item()
-            tol = 2e-2 * max(1.0, eager_logits.float().abs().max().item())
+            err = (normed.float() - eager_normed.float()).abs().max().item()
+            tol = 2e-2 * max(1.0, eager_normed.float().abs().max().item())
             if not err <= tol:
-                raise RuntimeError(f"replayed draft logits differ from eager by {err:.3g} (tolerance {tol:.3g})")
+                raise RuntimeError(f"replayed draft states differ from eager by {err:.3g} (tolerance {tol:.3g})")
         except Exception as exc:  # keep serving eagerly; say why once
             self.enabled = False
             logger.warning("draft CUDA graphs off (batch size %d): %s", bs, exc)

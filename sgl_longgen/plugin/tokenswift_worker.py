@@ -80,9 +80,9 @@ class TokenSwiftWorker(TreeSpecWorker):
 
     # -- draft -------------------------------------------------------------------------------------
 
-    def _candidates(self, logits: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidates(self, normed: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The heads' raw top candidates (in the draft graph when there is one)."""
-        return head_candidates(self.heads, h0, logits, self.lm_head_weight, self.ts.num_heads, self.vocab_size,
+        return head_candidates(self.heads, h0, normed, self.lm_head_weight, self.ts.num_heads, self.vocab_size,
                                self.num_candidates)
 
     def _draft_inputs(self, batch, steps: list[StepRequest]) -> SimpleNamespace:
@@ -142,8 +142,8 @@ class TokenSwiftWorker(TreeSpecWorker):
             if self.draft_graphs.can_run(forward_batch):
                 return self.draft_graphs.run(forward_batch)
             with self.capture:
-                logits = self.model_runner.forward(forward_batch).logits_output.next_token_logits
-            return self._candidates(logits, self.capture.value)
+                self.model_runner.forward(forward_batch)
+            return self._candidates(self.capture.normed, self.capture.value)
         finally:
             for k, v in zip(names, saved):
                 setattr(batch, k, v)

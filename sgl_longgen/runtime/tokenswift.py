@@ -78,7 +78,7 @@ class TokenSwiftDecoder(Decoder):
         if spec.scores:
             self.policy.select(torch.stack(spec.scores))
         vocab = self.loaded.config.vocab_size
-        values, ids = head_candidates(self.heads, h0, self.model.logits(h0), self.model.lm_head.weight,
+        values, ids = head_candidates(self.heads, h0, self.model.model.norm(h0), self.model.lm_head.weight,
                                       self.ts.num_heads, vocab, candidate_count(self.ts.tree, vocab))
         # Proposals only decide what gets verified; the committed-context window is enough here.
         window = set(window_tokens(self.history, [], self.window)) if self.window else None

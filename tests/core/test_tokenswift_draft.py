@@ -16,10 +16,10 @@ def test_head_candidates_are_the_top_logits_of_the_base_head_and_each_extra_head
     heads.reset_parameters(gen, std=0.5)
     weight = torch.randn(padded, d, generator=gen)
     h0 = torch.randn(2, d, generator=gen)
-    base = torch.randn(2, padded, generator=gen)
-    values, ids = head_candidates(heads, h0, base, weight, 3, vocab, 8)
+    normed = torch.randn(2, d, generator=gen)
+    values, ids = head_candidates(heads, h0, normed, weight, 3, vocab, 8)
     assert values.shape == ids.shape == (2, 4, 8)
-    full = torch.cat([base[:, None, :vocab], torch.stack(heads(h0), dim=1) @ weight[:vocab].t()], dim=1)
+    full = torch.stack([normed, *heads(h0)], dim=1) @ weight[:vocab].t()
     want_v, want_i = full.topk(8, dim=-1)
     assert torch.equal(ids, want_i) and torch.allclose(values, want_v)
     assert int(ids.max()) < vocab
