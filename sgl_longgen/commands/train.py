@@ -184,6 +184,8 @@ def _add_owl(tsub) -> None:
     p.add_argument("--out", help="drafter checkpoint directory (owl.json + owl.safetensors + longgen.toml)")
     p.add_argument("--width", type=int, help="LSTM width (default: the target's hidden size)")
     p.add_argument("--n-steps", type=int, help="draft steps unrolled in training (default 8; the tree depth)")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="drafter head over the N most frequent tokens of the generated data (default 0: full vocabulary)")
     p.add_argument("--no-spec", action="store_true", default=None, help="train without [SPEC] (plain D_nospec)")
     p.add_argument("--spec-dropout", type=float, help="share of rows trained on the null [SPEC] state (default 0.3)")
     p.add_argument("--spec-target", choices=["next", "beyond"], help="[SPEC] auxiliary target: x_k (Eq. 9) or x_{k+1}")
@@ -205,7 +207,7 @@ def _run_owl(args: argparse.Namespace) -> int:
 
     flags = {
         **LOOP_FLAGS, "model": ("model",), "out": ("out",), "width": ("drafter", "width"),
-        "n_steps": ("drafter", "n_steps"), "spec_dropout": ("spec_dropout",),
+        "n_steps": ("drafter", "n_steps"), "draft_vocab": ("drafter", "draft_vocab"), "spec_dropout": ("spec_dropout",),
         "spec_target": ("spec_target",), "spec_weight": ("spec_weight",), "sequences": ("generation", "sequences"),
         "val_sequences": ("generation", "val_sequences"), "prompt_len": ("generation", "prompt_len"),
         "gen_temperature": ("generation", "temperature"), "gen_top_k": ("generation", "top_k"),

@@ -22,6 +22,16 @@ The trained [SPEC] *input* embedding of the frozen target (a ``[hidden_size]`` v
 same checkpoint: a directory with ``owl.json`` (shape, provenance, spec settings) and
 ``owl.safetensors``, optionally ``longgen.toml`` with the checkpoint's defaults.
 
+**Reduced draft vocabulary.** The head may cover only ``draft_vocab_size`` N < V target tokens,
+listed by the ``token_map`` buffer (draft id -> target id; EAGLE-3's token map). For an 8B target
+the full head (128K rows, 1 GB in bf16 at width 4096) is read at each of the 8 steps of a round
+and dominates the drafter's cost. The N most frequent tokens of the target's own outputs cover
+most of what it emits, so an N-row head costs N/V of that traffic and gives up only drafts of
+rarer tokens: those are never proposed, and verification stays exact whatever the drafter drafts.
+The token *embedding* stays over the full vocabulary, because the root and every accepted token
+that feeds the next round can be any target token. Checkpoints without ``draft_vocab_size`` in
+``owl.json`` are full-vocabulary drafters.
+
 The tree (:func:`expand`) is EAGLE-2's dynamic beam over the drafter: ``top_k`` children per
 frontier node, ``top_k`` frontier nodes per level, ``depth`` levels, then the ``tree_size`` best
 nodes of the whole pool by cumulative log-probability. Everything is batched over requests and
@@ -39,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -96,15 +107,21 @@ class OwlDrafter(nn.Module):
     ``hidden_size``: the target's hidden size d0. ``width``: the LSTM width d (the paper uses
     12288 for Llama-3.1-8B; the Arctic release uses d0). ``n_steps``: the unroll length it is
     trained for (it sets alpha). ``spec``: the first projection reads ``[h_last; h_S]`` (2 d0)
-    instead of ``h_last`` (d0) and the checkpoint carries the [SPEC] vectors.
+    instead of ``h_last`` (d0) and the checkpoint carries the [SPEC] vectors. ``draft_vocab_size``:
+    rows of the head (default: the whole vocabulary); below ``vocab_size`` the head scores only the
+    target ids listed in the ``token_map`` buffer.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, width: int, n_steps: int = 8, spec: bool = True,
-                 norm_eps: float = 1e-6):
+                 norm_eps: float = 1e-6, draft_vocab_size: int | None = None):
         super().__init__()
         if min(hidden_size, vocab_size, width, n_steps) < 1:
             raise ValueError("hidden_size, vocab_size, width and n_steps must be positive")
+        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
         self.hidden_size, self.vocab_size, self.width = hidden_size, vocab_size, width
+        # The whole vocabulary needs no map: a full head keeps the checkpoint format of before.
+        self.draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size
         self.n_steps, self.spec, self.norm_eps = n_steps, spec, norm_eps
         self.alpha = embedding_scale(n_steps, width)
         self.proj0 = nn.Linear(hidden_size * (2 if spec else 1), 4 * width, bias=False)
@@ -112,12 +129,38 @@ class OwlDrafter(nn.Module):
         self.embedding = nn.Embedding(vocab_size, width)  # one table for all four gates and all steps
         self.cell_norm = BiasRMSNorm(width, norm_eps)
         self.state_norm = BiasRMSNorm(width, norm_eps)
-        self.head = nn.Linear(width, vocab_size, bias=False)  # shared by every step
+        self.head = nn.Linear(width, self.draft_vocab_size, bias=False)  # shared by every step
+        self.token_map: torch.Tensor | None
+        if self.reduced:
+            # Draft id -> target id; a placeholder until set_token_map (or a checkpoint) fills it.
+            self.register_buffer("token_map", torch.arange(self.draft_vocab_size, dtype=torch.long))
+        else:
+            self.token_map = None
         if spec:
             # Stands in for scale(h_S) when no [SPEC] state exists (D_nospec).
             self.null_spec = nn.Parameter(torch.zeros(hidden_size))
             # The [SPEC] token's input embedding for the frozen target.
             self.spec_embedding = nn.Parameter(torch.zeros(hidden_size))
+
+    @property
+    def reduced(self) -> bool:
+        """The head covers a subset of the target vocabulary (through ``token_map``)."""
+        return self.draft_vocab_size < self.vocab_size
+
+    def set_token_map(self, token_map: torch.Tensor | Sequence[int]) -> None:
+        """Fill the reduced head's draft id -> target id map (validated like a checkpoint's)."""
+        if not self.reduced:
+            raise ValueError("a full-vocabulary drafter has no token map")
+        ids = torch.as_tensor(token_map)
+        problem = token_map_problem(ids, self.vocab_size, self.draft_vocab_size)
+        if problem:
+            raise ValueError(f"token map {problem}")
+        with torch.no_grad():
+            self.token_map.copy_(ids.to(torch.long))
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of head indices: a device-side gather, no host sync (identity when full)."""
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
 
     # -- init ----------------------------------------------------------------------------------
 
@@ -201,7 +244,7 @@ class OwlDrafter(nn.Module):
     # -- checkpoint ----------------------------------------------------------------------------
 
     def config(self) -> dict:
-        return {
+        cfg = {
             "format": FORMAT,
             "version": VERSION,
             "hidden_size": self.hidden_size,
@@ -211,11 +254,15 @@ class OwlDrafter(nn.Module):
             "spec": self.spec,
             "norm_eps": self.norm_eps,
         }
+        if self.reduced:  # absent: the full vocabulary, as in checkpoints that predate the field
+            cfg["draft_vocab_size"] = self.draft_vocab_size
+        return cfg
 
     def save(self, directory: str | Path, **extra) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous().cpu()
+                 for k, v in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS_FILE))
         (directory / CONFIG_FILE).write_text(json.dumps({**self.config(), **extra}, indent=2) + "\n")
         return directory
@@ -242,6 +289,11 @@ def read_drafter_config(directory: str | Path) -> dict:
             raise LonggenError(f"{cfg_path}: '{key}' must be a positive integer")
     if not isinstance(cfg.get("spec"), bool):
         raise LonggenError(f"{cfg_path}: 'spec' must be true or false")
+    if "draft_vocab_size" in cfg:
+        n = cfg["draft_vocab_size"]
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cfg["vocab_size"]:
+            raise LonggenError(f"{cfg_path}: 'draft_vocab_size' must be an integer in [1, vocab_size = "
+                               f"{cfg['vocab_size']}], got {n!r}")
     eps = cfg.get("norm_eps", 1e-6)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
         raise LonggenError(f"{cfg_path}: 'norm_eps' must be a positive number")
@@ -261,12 +313,37 @@ def check_drafter(directory: str | Path, hidden_size: int | None = None, vocab_s
                            f"{vocab_size} ({cfg_path})")
     weights = directory / WEIGHTS_FILE
     check_shapes(header_shapes(weights), expected_shapes(lambda: _build(cfg)), weights, cfg_path, exact=True)
+    if cfg.get("draft_vocab_size", cfg["vocab_size"]) < cfg["vocab_size"]:
+        try:  # N integers: cheap to read even when a server starts
+            with safe_open(str(weights), framework="pt") as f:
+                token_map = f.get_tensor("token_map")
+        except (SafetensorError, OSError) as exc:
+            raise LonggenError(f"cannot read {weights}: {exc}") from None
+        problem = token_map_problem(token_map, cfg["vocab_size"], cfg["draft_vocab_size"])
+        if problem:
+            raise LonggenError(f"{weights}: tensor token_map {problem}")
     return cfg
+
+
+def token_map_problem(token_map: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> str | None:
+    """What is wrong with a draft id -> target id map, or None: N unique integer ids in [0, vocab_size)."""
+    if token_map.is_floating_point() or token_map.is_complex() or token_map.dtype == torch.bool:
+        return f"must hold integer token ids, not {token_map.dtype}"
+    if tuple(token_map.shape) != (draft_vocab_size,):
+        return f"has shape {tuple(token_map.shape)}, expected ({draft_vocab_size},)"
+    ids = token_map.to(torch.long)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        return f"has ids out of range [0, {vocab_size}): {bad[:4].tolist()}"
+    uniq, counts = ids.unique(return_counts=True)
+    if uniq.numel() != ids.numel():
+        return f"lists target ids more than once: {uniq[counts > 1][:4].tolist()}"
+    return None
 
 
 def _build(cfg: dict) -> OwlDrafter:
     return OwlDrafter(cfg["hidden_size"], cfg["vocab_size"], cfg["width"], cfg["n_steps"], cfg["spec"],
-                      float(cfg.get("norm_eps", 1e-6)))
+                      float(cfg.get("norm_eps", 1e-6)), cfg.get("draft_vocab_size"))
 
 
 def load_drafter(
@@ -338,7 +415,8 @@ def expand(
     :meth:`OwlDrafter.first_input`). Runs ``depth`` drafter steps (``B`` rows, then ``B * top_k``)
     and keeps the ``min(tree_size, pool_size)`` best-scoring nodes of the pool. Ties go to the
     earlier-created node, so a parent always ranks before its child and the selection is closed
-    under ancestors.
+    under ancestors. With a reduced head the top-k runs over the draft vocabulary and the picks
+    are mapped to target ids at once, so the beam (and the next step's input) holds target ids.
     """
     dev = drafter.head.weight.device
     dt = drafter.head.weight.dtype
@@ -346,7 +424,7 @@ def expand(
     h_last = h_last.to(device=dev, dtype=dt)
     B = h_last.shape[0]
     roots = torch.as_tensor(roots, dtype=torch.long, device=dev).reshape(B)
-    K = min(top_k, drafter.vocab_size)
+    K = min(top_k, drafter.draft_vocab_size)
     d = drafter.width
     if h_spec is not None:
         h_spec = h_spec.to(device=dev, dtype=dt)
@@ -357,6 +435,7 @@ def expand(
     state, cell = drafter.step(x, roots, None, first=True)  # [B, d]
     logp = torch.log_softmax(drafter.head(state).to(score_dt), dim=-1)
     score, token = logp.topk(K, dim=-1)  # [B, K]
+    token = drafter.to_target(token)
     pool_s, pool_t = [score], [token]
     pool_p = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
     pool_d = [torch.ones(B, K, dtype=torch.long, device=dev)]
@@ -369,6 +448,7 @@ def expand(
         st, ce = drafter.step(state.reshape(B * K, d), front_t.reshape(B * K), cell.reshape(B * K, d))
         logp = torch.log_softmax(drafter.head(st).to(score_dt), dim=-1).view(B, K, -1)
         child_s, child_t = logp.topk(K, dim=-1)  # [B, K, K]
+        child_t = drafter.to_target(child_t)
         cand_s = (front_s[..., None] + child_s).reshape(B, K * K)
         cand_t = child_t.reshape(B, K * K)
         pool_s.append(cand_s)

@@ -1,17 +1,22 @@
-"""GPU check of TOKENSWIFT inside SGLang (a host with SGLang installed; no network needed).
+"""GPU check of our speculative algorithms inside SGLang (a host with SGLang installed; no network needed).
 
-A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift heads:
+A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift heads (or, with
+``--algorithm OWL|HOWL``, a random OWL drafter):
 
-1. greedy equality: the same prompts through SGLang without speculation and with TOKENSWIFT,
+1. greedy equality: the same prompts through SGLang without speculation and with the algorithm,
    ``--tokens`` new tokens each. Where outputs differ, the plain run's top-2 log-probability gap
    at the first differing position is reported (dummy weights give flat distributions; a
    difference at a bf16-level near-tie is kernel rounding, not the method);
-2. step-time breakdown at each ``--contexts`` length: TOKENSWIFT's draft / verify / overhead ms
-   per step (our workers report them in ``meta_info``) next to one plain decode step;
-3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, depth 8, top-k 10,
-   30 nodes) for one request, next to the plain decode step at the first context length.
+2. step-time breakdown at each ``--contexts`` length: draft / verify / overhead ms per step (our
+   workers report them in ``meta_info``) next to one plain decode step, then (``--step-detail``)
+   every section of a step on its own;
+3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, ``--owl-draft-vocab``,
+   depth 8, top-k 10, 30 nodes) for one request, next to the plain decode step at the first
+   context length.
 
-    python -m sgl_longgen.plugin.gpu_check --out results.json
+    python -m sgl_longgen.plugin.gpu_check --phase plain --out results.json
+    python -m sgl_longgen.plugin.gpu_check --phase spec --out results.json [--attention-backend longgen]
+    python -m sgl_longgen.plugin.gpu_check --phase owl --out results.json --owl-width 4096 2048 1024
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from .step_timer import DETAIL_PARAM
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -50,15 +57,33 @@ def make_checkpoints(root: Path, budget: int) -> tuple[Path, Path]:
     return model, heads_dir
 
 
-def engine(model: Path, heads: Path | None, args) -> object:
+def make_owl_drafter(root: Path, width: int, draft_vocab: int) -> Path:
+    """A random OWL drafter for the 8B shape (dummy weights: only its cost and losslessness count)."""
+    import torch
+
+    from ..core.owl import OwlDrafter
+
+    vocab = LLAMA_8B["vocab_size"]
+    n = draft_vocab if 0 < draft_vocab < vocab else None
+    drafter = OwlDrafter(LLAMA_8B["hidden_size"], vocab, width, n_steps=8, spec=True, draft_vocab_size=n)
+    gen = torch.Generator().manual_seed(0)
+    drafter.reset_parameters(gen)
+    if n is not None:
+        drafter.set_token_map(torch.randperm(vocab, generator=gen)[:n].sort().values)
+    out = root / f"owl-{width}x{draft_vocab}"
+    drafter.save(out)
+    return out
+
+
+def engine(model: Path, draft: Path | None, args) -> object:
     import sglang as sgl
 
     kw = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True,
               attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction,
               context_length=131072, log_level="warning", random_seed=0, chunked_prefill_size=16384,
               disable_radix_cache=True, max_running_requests=4, cuda_graph_max_bs_decode=2)
-    if heads is not None:
-        kw.update(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads),
+    if draft is not None:
+        kw.update(speculative_algorithm=args.algorithm, speculative_draft_model_path=str(draft),
                   disable_overlap_schedule=True, speculative_num_draft_tokens=args.draft_tokens)
         if args.no_cuda_graph:
             kw.update(disable_cuda_graph=True)
@@ -83,9 +108,10 @@ def top2_gap(meta: dict, position: int) -> float | None:
     return float(tops[position][0][0] - tops[position][1][0])
 
 
-def owl_drafter_ms(width: int) -> dict:
+def owl_drafter_ms(width: int, draft_vocab: int = 0) -> dict:
     """Median time (CUDA events, L2 flushed) of one OWL tree expansion for an 8B-shaped target, batch 1:
-    eager, and replayed as the CUDA graph the OWL worker uses."""
+    eager, and replayed as the CUDA graph the OWL worker uses. ``draft_vocab`` N > 0: the head covers
+    a random map of N target tokens (its cost does not depend on which)."""
     import torch
 
     from ..core.owl import GraphedExpand, OwlDrafter, expand
@@ -93,7 +119,11 @@ def owl_drafter_ms(width: int) -> dict:
 
     torch.manual_seed(0)
     d0, vocab = LLAMA_8B["hidden_size"], LLAMA_8B["vocab_size"]
-    drafter = OwlDrafter(d0, vocab, width, n_steps=8, spec=True).to("cuda", torch.bfloat16).eval()
+    n = draft_vocab if 0 < draft_vocab < vocab else None
+    drafter = OwlDrafter(d0, vocab, width, n_steps=8, spec=True, draft_vocab_size=n)
+    if n is not None:
+        drafter.set_token_map(torch.randperm(vocab)[:n].sort().values)
+    drafter = drafter.to("cuda", torch.bfloat16).eval()
     h = torch.randn(1, d0, device="cuda", dtype=torch.bfloat16)
     root = torch.tensor([1234], device="cuda")
     has = torch.tensor([True], device="cuda")
@@ -129,6 +159,7 @@ def phase_plain(args, model: Path, prompts, long_prompts, report: dict) -> None:
     ar = {}
     for L, prompt in long_prompts.items():
         times = {}
+        plain.generate(input_ids=prompt, sampling_params=greedy(1))  # warm-up: first prefill of this length
         for n in (1, args.timed_tokens + 1):
             t = time.time()
             plain.generate(input_ids=prompt, sampling_params=greedy(n))
@@ -139,13 +170,16 @@ def phase_plain(args, model: Path, prompts, long_prompts, report: dict) -> None:
     report["ar_step_ms"] = ar
 
 
-def phase_spec(args, model: Path, heads: Path, prompts, long_prompts, report: dict) -> None:
+def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: dict) -> None:
     if "plain_outputs" not in report:
         raise SystemExit("run --phase plain first (same --out)")
-    tag = f"tokenswift_{args.attention_backend}" + ("_eager" if args.no_cuda_graph else "")
-    result: dict = {"attention_backend": args.attention_backend, "cuda_graph": not args.no_cuda_graph}
+    tag = f"{args.algorithm.lower()}_{args.attention_backend}" + ("_eager" if args.no_cuda_graph else "")
+    result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
+                    "cuda_graph": not args.no_cuda_graph}
+    if args.algorithm != "TOKENSWIFT":
+        result["drafter"] = draft.name
     t = time.time()
-    spec = engine(model, heads, args)
+    spec = engine(model, draft, args)
     result["engine_start_s"] = round(time.time() - t, 1)
     got = spec.generate(input_ids=prompts, sampling_params=greedy(args.tokens))
     equality = []
@@ -170,6 +204,14 @@ def phase_spec(args, model: Path, heads: Path, prompts, long_prompts, report: di
         }
         row["draft_vs_ar"] = round(row["draft_ms"] / ar_ms, 2)
         row["verify_vs_ar"] = round(row["verify_ms"] / ar_ms, 2)
+        if args.step_detail:
+            # Every section synchronised: slower steps, but each part of a step on its own.
+            out = spec.generate(input_ids=prompt, sampling_params=greedy(
+                args.step_detail, custom_params={DETAIL_PARAM: True}))
+            meta = out["meta_info"]
+            keys = sorted(k for k in meta if k.startswith("longgen_") and k.endswith("_ms"))
+            row["detail_ms"] = {k[len("longgen_"):-len("_ms")]: round(mean(k), 3) for k in keys}
+            print(f"[{tag}] {L}: step sections (ms, GPU-synchronised each): {row['detail_ms']}", flush=True)
         rows.append(row)
     spec.shutdown()
     result["steps"] = rows
@@ -184,12 +226,16 @@ def phase_spec(args, model: Path, heads: Path, prompts, long_prompts, report: di
 def phase_owl(args, report: dict) -> None:
     first = str(args.contexts[0])
     ar_ms = report.get("ar_step_ms", {}).get(first, float("nan"))
-    r = owl_drafter_ms(args.owl_width)
-    r.update(width=args.owl_width, ar_context=int(first), graph_vs_ar=round(r["graph_ms"] / ar_ms, 3))
-    report.setdefault("owl_drafter", {})[str(args.owl_width)] = r
-    print(f"OWL drafter (width {args.owl_width}, depth 8, top-k 10, 30 nodes): eager {r['eager_ms']} ms, "
-          f"CUDA graph {r['graph_ms']} ms = {r['graph_vs_ar']}x an AR step at {first} "
-          f"(graph matches eager: {r['graph_matches_eager']})", flush=True)
+    vocab = LLAMA_8B["vocab_size"]
+    draft_vocab = args.owl_draft_vocab if 0 < args.owl_draft_vocab < vocab else vocab
+    for width in args.owl_width:
+        r = owl_drafter_ms(width, draft_vocab)
+        r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first),
+                 graph_vs_ar=round(r["graph_ms"] / ar_ms, 3))
+        report.setdefault("owl_drafter", {})[f"{width}x{draft_vocab}"] = r
+        print(f"OWL drafter (width {width}, draft vocabulary {draft_vocab}, depth 8, top-k 10, 30 nodes): eager "
+              f"{r['eager_ms']} ms, CUDA graph {r['graph_ms']} ms = {r['graph_vs_ar']}x an AR step at {first} "
+              f"(graph matches eager: {r['graph_matches_eager']})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,8 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=int, default=64, help="speculative_num_draft_tokens")
     p.add_argument("--attention-backend", default="flashinfer")
     p.add_argument("--mem-fraction", type=float, default=0.8)
-    p.add_argument("--no-cuda-graph", action="store_true", help="TOKENSWIFT engine without CUDA graphs")
-    p.add_argument("--owl-width", type=int, default=4096, help="OWL drafter width for the drafting-cost check")
+    p.add_argument("--algorithm", choices=("TOKENSWIFT", "OWL", "HOWL"), default="TOKENSWIFT",
+                   help="the speculative algorithm of the spec phase (OWL/HOWL: a random drafter of "
+                        "--owl-width[0] and --owl-draft-vocab)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
+    p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
+                   help="after each timed run, this many tokens with every step section timed (0: skip)")
+    p.add_argument("--owl-width", type=int, nargs="+", default=[4096], help="OWL drafter widths for the drafting-cost check")
+    p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")
     args = p.parse_args(argv)
 
     rng = random.Random(0)
@@ -220,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         phase_plain(args, model, prompts, long_prompts, report)
         save_report(args.out, report)
     if args.phase in ("all", "spec"):
-        phase_spec(args, model, heads, prompts, long_prompts, report)
+        draft = heads if args.algorithm == "TOKENSWIFT" else make_owl_drafter(root, args.owl_width[0], args.owl_draft_vocab)
+        phase_spec(args, model, draft, prompts, long_prompts, report)
         save_report(args.out, report)
     if args.phase in ("all", "owl"):
         phase_owl(args, report)

@@ -16,7 +16,10 @@ One training sequence ``x_0 .. x_{T-1}`` goes through the frozen target twice pe
 The drafter is unrolled n steps under teacher forcing from every start k: inputs ``x_k``,
 ``h_{k-1}``, ``hS_{k-1}``; step j predicts ``x_{k+j}``. With probability ``spec_dropout`` a row
 uses the learned null vector instead of ``hS`` (so the same checkpoint works right after a linear
-HOWL step). Loss = mean over steps of the cross-entropy, plus ``spec_weight`` times the auxiliary
+HOWL step). With ``draft_vocab`` N the drafter's head covers only the N most frequent tokens of
+the generated training sequences (ties to the lower id); targets outside that map are left out of
+the drafter's cross-entropy (the drafter can never propose them). Loss = mean over steps of the
+cross-entropy, plus ``spec_weight`` times the auxiliary
 cross-entropy of the frozen LM head on ``hS_{k-1}`` against ``x_k`` (Eq. 9 read literally,
 ``spec_target = "next"``) or ``x_{k+1}`` (``"beyond"``). AdamW with warmup + cosine, bf16 autocast
 on a GPU, fp32 on a CPU; the shared loop (``loop.py``) owns progress bars, checkpoints and resume.
@@ -59,11 +62,13 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class OwlShape(_Strict):
-    """The drafter: LSTM width (0: the target's hidden size), unroll steps n, [SPEC] on/off."""
+    """The drafter: LSTM width (0: the target's hidden size), unroll steps n, [SPEC] on/off, and the
+    head's draft vocabulary (0: the target's whole vocabulary; N: its N most frequent tokens)."""
 
     width: NonNegInt = 0
     n_steps: Annotated[int, Meta(ge=1, le=32)] = 8
     spec: bool = True
+    draft_vocab: NonNegInt = 0
 
 
 class OwlDataConfig(_Strict):
@@ -215,6 +220,50 @@ def target_states(model: Transformer, ids: torch.Tensor, spec_embedding: torch.T
 
 
 # ----------------------------------------------------------------------------------------------
+# the reduced draft vocabulary
+
+
+def frequent_tokens(sequences: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:
+    """The ``n`` most frequent ids of ``sequences`` (ties to the lower id), in increasing id order.
+
+    Ids that never occur fill the remaining places, lowest first, so the map always has ``n`` ids.
+    """
+    if not 1 <= n <= vocab_size:
+        raise LonggenError(f"the draft vocabulary must have 1 to {vocab_size} tokens, got {n}")
+    counts = torch.bincount(sequences.reshape(-1).long().cpu(), minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(counts, descending=True, stable=True)  # stable: equal counts keep id order
+    return order[:n].sort().values
+
+
+def map_coverage(sequences: torch.Tensor, token_map: torch.Tensor, vocab_size: int) -> float:
+    """Share of the tokens of ``sequences`` that the map covers (the best a reduced head can reach)."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[token_map.cpu()] = True
+    flat = sequences.reshape(-1).long().cpu()
+    return float(inside[flat].float().mean()) if flat.numel() else 1.0
+
+
+def draft_cross_entropy(drafter: OwlDrafter, logits: torch.Tensor, target: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the drafter's head over ``target`` (target ids), and top-1 accuracy.
+
+    A reduced head scores draft ids: targets are translated through the map, and targets outside
+    it are ignored (they could never be drafted, so no gradient can teach it to propose them);
+    when none is inside, the loss is 0. Accuracy counts every target, so it is what drafting gets.
+    """
+    logits, target = logits.flatten(0, -2), target.flatten()
+    with torch.no_grad():
+        acc = (drafter.to_target(logits.argmax(-1)) == target).float().mean()
+    if not drafter.reduced:
+        return F.cross_entropy(logits, target), acc
+    index = torch.full((drafter.vocab_size,), -100, dtype=torch.long, device=target.device)
+    index[drafter.token_map] = torch.arange(drafter.draft_vocab_size, device=target.device)
+    draft_target = index[target]
+    total = F.cross_entropy(logits, draft_target, ignore_index=-100, reduction="sum")
+    return total / (draft_target >= 0).sum().clamp(min=1), acc
+
+
+# ----------------------------------------------------------------------------------------------
 # the loss
 
 
@@ -245,11 +294,8 @@ def owl_loss(model: Transformer, drafter: OwlDrafter, ids: torch.Tensor, spec_dr
     draft_loss = None
     for j, state in enumerate(states, 1):
         logits = full_precision(drafter.head(state))
-        target = ids[:, j + 1 : j + 1 + K]
-        ce = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        ce, metrics[f"acc{j}"] = draft_cross_entropy(drafter, logits, ids[:, j + 1 : j + 1 + K])
         draft_loss = ce if draft_loss is None else draft_loss + ce
-        with torch.no_grad():
-            metrics[f"acc{j}"] = (logits.argmax(-1) == target).float().mean()
     loss = draft_loss / n
     metrics["draft_loss"] = loss.detach()
     if h_spec is not None:
@@ -266,16 +312,17 @@ def owl_loss(model: Transformer, drafter: OwlDrafter, ids: torch.Tensor, spec_dr
 
 def fit_drafter(model: Transformer, sequences: torch.Tensor, steps: int, *, width: int | None = None,
                 n_steps: int = 8, spec: bool = True, lr: float = 1e-2, spec_dropout: float = 0.3,
-                seed: int = 0) -> OwlDrafter:
+                seed: int = 0, draft_vocab: int = 0) -> OwlDrafter:
     """A drafter fitted to given token sequences of the (frozen) target in a few full-batch steps.
 
     The cheap calibration behind demos and tests that need a drafter whose drafts are accepted:
     the same loss as ``train owl``, on sequences the caller already has (e.g. the target's own
-    greedy continuations), without the data pipeline.
+    greedy continuations), without the data pipeline. ``draft_vocab`` as in ``train owl``.
     """
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
-    drafter = OwlDrafter(cfg.hidden_size, cfg.vocab_size, width or cfg.hidden_size, n_steps=n_steps, spec=spec)
+    drafter = new_drafter(cfg.hidden_size, cfg.vocab_size, width or cfg.hidden_size, n_steps, spec, draft_vocab,
+                          sequences)
     drafter.reset_parameters(gen, model.model.embed_tokens.weight)
     drafter = drafter.to(dtype=model.dtype, device=sequences.device).train()
     opt = torch.optim.Adam(drafter.parameters(), lr=lr)
@@ -286,6 +333,18 @@ def fit_drafter(model: Transformer, sequences: torch.Tensor, steps: int, *, widt
         opt.step()
         opt.zero_grad()
     return drafter.eval().requires_grad_(False)
+
+
+def new_drafter(hidden_size: int, vocab_size: int, width: int, n_steps: int, spec: bool, draft_vocab: int,
+                sequences: torch.Tensor) -> OwlDrafter:
+    """An untrained drafter; with ``draft_vocab`` (0: full) its map is the most frequent tokens of ``sequences``."""
+    if draft_vocab > vocab_size:
+        raise LonggenError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({vocab_size})")
+    reduced = 0 < draft_vocab < vocab_size
+    drafter = OwlDrafter(hidden_size, vocab_size, width, n_steps, spec, draft_vocab_size=draft_vocab if reduced else None)
+    if reduced:
+        drafter.set_token_map(frequent_tokens(sequences, vocab_size, draft_vocab))
+    return drafter
 
 
 @torch.no_grad()
@@ -417,6 +476,9 @@ def train_owl(cfg: OwlTrainConfig, resume: bool = False, command: str = "") -> d
                            f"({loaded.config.max_position_embeddings})")
     if T < cfg.drafter.n_steps + 2:
         raise LonggenError(f"--seq-len {T} is too short for {cfg.drafter.n_steps} draft steps")
+    if cfg.drafter.draft_vocab > loaded.config.vocab_size:
+        raise LonggenError(f"--draft-vocab {cfg.drafter.draft_vocab} exceeds the target's vocabulary "
+                           f"({loaded.config.vocab_size})")
 
     docs = collect_documents(cfg.data)
     train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
@@ -428,11 +490,16 @@ def train_owl(cfg: OwlTrainConfig, resume: bool = False, command: str = "") -> d
 
     shape = cfg.drafter
     width = shape.width or loaded.config.hidden_size
-    drafter = OwlDrafter(loaded.config.hidden_size, loaded.config.vocab_size, width, shape.n_steps, shape.spec)
+    vocab = loaded.config.vocab_size
+    drafter = new_drafter(loaded.config.hidden_size, vocab, width, shape.n_steps, shape.spec, shape.draft_vocab,
+                          train_seqs)
     drafter.reset_parameters(torch.Generator().manual_seed(cfg.loop.seed), model.model.embed_tokens.weight)
     drafter = drafter.to(device).train()
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(f"OWL drafter: width {width}, {shape.n_steps} steps, [SPEC] {'on' if shape.spec else 'off'} "
+    coverage = map_coverage(train_seqs, drafter.token_map, vocab) if drafter.reduced else 1.0
+    head = (f"draft vocabulary {drafter.draft_vocab_size} of {vocab} ({coverage:.1%} of the training tokens)"
+            if drafter.reduced else f"full vocabulary ({vocab})")
+    print(f"OWL drafter: width {width}, {shape.n_steps} steps, [SPEC] {'on' if shape.spec else 'off'}, {head} "
           f"({n_params / 1e6:.2f}M parameters) on {describe(device)}; target {model_dir} frozen", file=sys.stderr)
 
     train_tokens = train_seqs.to(device)
@@ -440,7 +507,8 @@ def train_owl(cfg: OwlTrainConfig, resume: bool = False, command: str = "") -> d
         "trainer": "owl", "command": command, "base_model": str(cfg.model), "parameters": n_params,
         "device": describe(device), "torch": torch.__version__, "python": platform.python_version(),
         "corpus": corpus.describe(), "sequences": {"train": int(train_seqs.shape[0]), "val": int(val_seqs.shape[0])},
-        "spec_target": cfg.spec_target, "spec_dropout": cfg.spec_dropout, "config": to_dict(cfg),
+        "spec_target": cfg.spec_target, "spec_dropout": cfg.spec_dropout,
+        "draft_vocab": drafter.draft_vocab_size, "draft_vocab_coverage": round(coverage, 6), "config": to_dict(cfg),
     }
 
     def save(directory: Path, progress: loop_mod.Progress) -> None:

@@ -1,5 +1,6 @@
 """OWL's drafter: the step equations, alpha, the null [SPEC] state, the checkpoint format, and the
-batched tree expansion (checked against a slow per-request reference)."""
+batched tree expansion (checked against a slow per-request reference), with the full head and with
+a reduced draft vocabulary (checked against the full head restricted to the map)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from safetensors.torch import load_file, save_file
+from torch import nn
+
 from sgl_longgen.core.owl import (
-    CONFIG_FILE, WEIGHTS_FILE, OwlDrafter, attach_spec_leaves, beam_trees, embedding_scale, expand, load_drafter,
-    pool_size, propose, rms_scale, verify_width,
+    CONFIG_FILE, WEIGHTS_FILE, GraphedExpand, OwlDrafter, attach_spec_leaves, beam_trees, embedding_scale, expand,
+    load_drafter, pool_size, propose, rms_scale, verify_width,
 )
+from sgl_longgen.runtime import resolve_model
 from sgl_longgen.core.tree import Source
 from sgl_longgen.errors import LonggenError
 
@@ -22,9 +27,16 @@ torch.set_num_threads(1)
 D0, V, D = 12, 23, 10
 
 
-def drafter(spec: bool = True, seed: int = 0, n_steps: int = 4) -> OwlDrafter:
-    d = OwlDrafter(D0, V, D, n_steps, spec).double()
+N_DRAFT = 9
+# A map in no particular order: only uniqueness is required of it.
+TOKEN_MAP = torch.randperm(V, generator=torch.Generator().manual_seed(42))[:N_DRAFT]
+
+
+def drafter(spec: bool = True, seed: int = 0, n_steps: int = 4, draft_vocab: int | None = None) -> OwlDrafter:
+    d = OwlDrafter(D0, V, D, n_steps, spec, draft_vocab_size=draft_vocab).double()
     d.reset_parameters(torch.Generator().manual_seed(seed))
+    if d.reduced:
+        d.set_token_map(TOKEN_MAP[:draft_vocab])
     with torch.no_grad():  # non-trivial norm parameters, so a swapped norm would show
         for norm in (d.cell_norm, d.state_norm):
             norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed + 1))
@@ -147,6 +159,84 @@ def test_loader_errors_name_the_file(tmp_path):
     assert str(cfg_path) in _error(ck)
 
 
+def test_full_vocabulary_checkpoints_keep_their_format(tmp_path):
+    d = drafter().float()
+    assert not d.reduced and d.token_map is None and d.draft_vocab_size == V
+    assert "draft_vocab_size" not in d.config()
+    assert d.save(tmp_path / "ck") and "token_map" not in load_file(tmp_path / "ck" / WEIGHTS_FILE)
+    assert not OwlDrafter(D0, V, D, draft_vocab_size=V).reduced  # the whole vocabulary needs no map
+    shipped = load_drafter(resolve_model("tiny") / "owl-drafter")  # written before the field existed
+    assert not shipped.reduced and shipped.head.weight.shape[0] == shipped.vocab_size
+
+
+def test_reduced_checkpoint_round_trip(tmp_path):
+    d = drafter(draft_vocab=N_DRAFT).float()
+    assert d.head.weight.shape == (N_DRAFT, D) and d.embedding.weight.shape == (V, D)  # inputs: any token
+    d.save(tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / CONFIG_FILE).read_text())
+    assert cfg["draft_vocab_size"] == N_DRAFT and cfg["vocab_size"] == V and cfg["version"] == 1
+    stored = load_file(tmp_path / "ck" / WEIGHTS_FILE)["token_map"]
+    assert stored.dtype == torch.int64 and torch.equal(stored, TOKEN_MAP)
+    back = load_drafter(tmp_path / "ck", hidden_size=D0, vocab_size=V, dtype=torch.bfloat16)
+    assert back.reduced and back.draft_vocab_size == N_DRAFT
+    assert back.token_map.dtype == torch.int64 and torch.equal(back.token_map, TOKEN_MAP)
+    for (k, a), (k2, b) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(a.to(b.dtype), b)
+
+
+def _rewrite_map(weights, token_map) -> None:
+    state = load_file(weights)
+    state["token_map"] = token_map
+    save_file(state, str(weights))
+
+
+def test_bad_token_maps_are_rejected_naming_the_file(tmp_path):
+    ck = tmp_path / "ck"
+    drafter(draft_vocab=N_DRAFT).float().save(ck)
+    cfg_path, weights = ck / CONFIG_FILE, ck / WEIGHTS_FILE
+    good = TOKEN_MAP.clone()
+    for bad, words in [
+        (torch.cat([good[:-1], good[:1]]), "more than once"),
+        (torch.cat([good[:-1], torch.tensor([V])]), "out of range"),
+        (torch.cat([good[:-1], torch.tensor([-1])]), "out of range"),
+        (good.double(), "integer"),
+        (good[:-1], "shape"),
+    ]:
+        _rewrite_map(weights, bad)
+        msg = _error(ck)
+        assert str(weights) in msg and "token_map" in msg and words in msg, msg
+    _rewrite_map(weights, good.to(torch.int32))  # any integer dtype: the buffer is int64 either way
+    assert torch.equal(load_drafter(ck).token_map, good)
+
+    state = load_file(weights)
+    del state["token_map"]
+    save_file(state, str(weights))
+    assert "lacks tensors ['token_map']" in _error(ck)  # owl.json promises a map the file lacks
+    cfg = json.loads(cfg_path.read_text())
+    for n in (0, V + 1, True, 3.5):
+        cfg_path.write_text(json.dumps({**cfg, "draft_vocab_size": n}))
+        msg = _error(ck)
+        assert str(cfg_path) in msg and "draft_vocab_size" in msg
+    _rewrite_map(weights, good)
+    del cfg["draft_vocab_size"]
+    cfg_path.write_text(json.dumps(cfg))
+    assert str(weights) in _error(ck)  # a full-vocabulary owl.json over a reduced head
+
+
+def test_set_token_map_validates():
+    d = OwlDrafter(D0, V, D, draft_vocab_size=3)
+    for bad in ([1, 1, 2], [0, 1, V], [0, 1], [0.0, 1.0, 2.0]):
+        with pytest.raises(ValueError, match="token map"):
+            d.set_token_map(bad)
+    d.set_token_map([5, 0, 22])
+    assert d.token_map.tolist() == [5, 0, 22]
+    assert d.to_target(torch.tensor([[2, 0], [1, 1]])).tolist() == [[22, 5], [0, 0]]
+    with pytest.raises(ValueError, match="full-vocabulary"):
+        OwlDrafter(D0, V, D).set_token_map([0])
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        OwlDrafter(D0, V, D, draft_vocab_size=V + 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # tree expansion
 
@@ -252,3 +342,56 @@ def test_spec_leaves_follow_every_node_and_are_never_children():
     assert tree.child(0, spec_token) == 1  # the walk still finds the real node with that token
     with pytest.raises(ValueError):
         attach_spec_leaves(tree, spec_token)
+
+
+def restricted_full_head(reduced: OwlDrafter) -> OwlDrafter:
+    """The same drafter with a full-vocabulary head whose logits are -inf outside the map: what the
+    reduced head must draft, in target ids, with the plain (unmapped) code path."""
+    full = OwlDrafter(D0, V, D, reduced.n_steps, reduced.spec).double()
+    full.load_state_dict({k: v for k, v in reduced.state_dict().items() if k not in ("head.weight", "token_map")},
+                         strict=False)
+    head = nn.Linear(D, V, bias=True).double()
+    with torch.no_grad():
+        head.weight.zero_()
+        head.weight[reduced.token_map] = reduced.head.weight
+        head.bias.fill_(float("-inf"))
+        head.bias[reduced.token_map] = 0.0
+    full.head = head
+    return full
+
+
+@pytest.mark.parametrize("K,depth,N", [(3, 4, 10), (4, 3, 100), (2, 5, 1), (9, 2, 40)])
+def test_reduced_expand_equals_the_full_head_restricted_to_the_map(K, depth, N):
+    d = drafter(seed=K, draft_vocab=N_DRAFT)
+    full = restricted_full_head(d)
+    g = torch.Generator().manual_seed(20 + K)
+    B = 3
+    h = torch.randn(B, D0, generator=g, dtype=torch.float64)
+    hs = torch.randn(B, D0, generator=g, dtype=torch.float64)
+    has = torch.tensor([True, False, True])
+    outside = sorted(set(range(V)) - set(TOKEN_MAP.tolist()))
+    roots = [outside[0], int(TOKEN_MAP[0]), outside[-1]]  # roots (inputs) may be any target token
+    beam = expand(d, h, roots, hs, has, top_k=K, depth=depth, tree_size=N)
+    assert beam.size == min(N, pool_size(K, depth))
+    assert set(beam.tokens.flatten().tolist()) <= set(TOKEN_MAP.tolist())
+    for b in range(B):
+        sel, pool = reference_tree(full, h[b], hs[b] if has[b] else None, roots[b], K, depth, N)
+        pos = {p: i for i, p in enumerate(sel)}
+        assert beam.tokens[b].tolist() == [pool[p][1] for p in sel]
+        assert beam.depths[b].tolist() == [pool[p][3] for p in sel]
+        assert beam.parents[b].tolist() == [pos[pool[p][2]] if pool[p][2] >= 0 else -1 for p in sel]
+        assert torch.allclose(beam.scores[b], torch.tensor([pool[p][0] for p in sel], dtype=beam.scores.dtype))
+    graphed = GraphedExpand(d, top_k=K, depth=depth, tree_size=N)  # plain calls on CPU tensors
+    again = graphed(h, roots, hs, has)
+    for a, b in zip((beam.tokens, beam.parents, beam.depths, beam.scores),
+                    (again.tokens, again.parents, again.depths, again.scores)):
+        assert torch.equal(a, b)
+    trees = propose(d, h, hs, roots, has_spec=has, top_k=K, depth=depth, tree_size=N)
+    assert [t.tokens[1:] for t in trees] == beam.tokens.tolist()
+
+
+def test_top_k_wider_than_the_draft_vocabulary_is_clamped():
+    d = drafter(seed=3, draft_vocab=2)
+    beam = expand(d, torch.randn(1, D0, dtype=torch.float64), [0], top_k=5, depth=3, tree_size=50)
+    assert beam.size == pool_size(2, 3)
+    assert set(beam.tokens.flatten().tolist()) <= set(TOKEN_MAP[:2].tolist())

@@ -6,6 +6,8 @@ embeddings), with and without the contextual penalty, for OWL trees with [SPEC] 
 accepted, which would leave the interesting paths (deep acceptance, the [SPEC] state hand-off,
 compaction past [SPEC] slots) untested; so most cases use a drafter fitted in a few seconds to the
 target's own greedy continuations of the test prompt. The tests assert that drafts were accepted.
+A drafter with a reduced head (the 32 most frequent tokens) must be just as lossless while the
+output also holds tokens it can never draft.
 Sampled: the emitted tokens follow the exact distribution computed from a micro model.
 """
 
@@ -39,18 +41,23 @@ torch.set_num_threads(1)
 NEW_TOKENS = 160
 SETTINGS = {"tiny-random": [(1.0, 1024), (1.2, 64)], "tiny-qwen2": [(1.0, 1024), (2.0, 16)]}
 FIT_STEPS = 12  # enough for tau of about 2-4 here: accepted paths end inside the tree as well as at its leaves
+DRAFT_VOCAB = 32  # of 258: the outputs below use 40-120 distinct tokens
 _TMP = tempfile.TemporaryDirectory(prefix="owl-test-")
 
 
 @functools.lru_cache(maxsize=None)
-def fitted_drafter(name: str) -> Path:
-    """A drafter fitted (training loss of ``train owl``) to the target's greedy continuations of PROMPT."""
+def fitted_drafter(name: str, draft_vocab: int = 0) -> Path:
+    """A drafter fitted (training loss of ``train owl``) to the target's greedy continuations of PROMPT;
+    with ``draft_vocab``, its head covers only their most frequent tokens."""
     ids = torch.tensor([PROMPT + list(ar_output(name, *s, NEW_TOKENS)) for s in SETTINGS[name]])
-    return fit_drafter(model(name).model, ids, FIT_STEPS).save(Path(_TMP.name) / name)
+    drafter = fit_drafter(model(name).model, ids, FIT_STEPS, draft_vocab=draft_vocab)
+    return drafter.save(Path(_TMP.name) / f"{name}-{draft_vocab or 'full'}")
 
 
 def drafter_dir(name: str, kind: str) -> Path | None:
-    return fitted_drafter(name) if kind == "fitted" else None  # None: the model's random-init owl-drafter/
+    if kind == "random":
+        return None  # the model's random-init owl-drafter/
+    return fitted_drafter(name, DRAFT_VOCAB if kind == "reduced" else 0)
 
 
 CASES = [
@@ -67,6 +74,9 @@ CASES = [
     ("howl", "tiny-qwen2", 0, "fitted", {}, 2.0, True),
     ("howl", "tiny-qwen2", 0, "random", {}, 2.0, True),
     ("howl", "tiny-qwen2", 1, "fitted", {"suffix__max_spec_factor": 1.0, "owl__spec": False}, 1.5, False),
+    ("owl", "tiny-random", 0, "reduced", {}, 1.5, False),
+    ("owl", "tiny-qwen2", 1, "reduced", {"owl__prefill_spec": False}, 1.5, False),
+    ("howl", "tiny-qwen2", 1, "reduced", {}, 1.5, True),
 ]
 
 
@@ -90,6 +100,9 @@ def test_greedy_owl_and_howl_equal_plain_decoding(method, name, setting, kind, e
         assert s.verify_tokens <= s.steps * width
     if mixed:  # the repetitive output goes to the suffix path, the rest to OWL trees
         assert 0 < s.linear_steps < s.steps
+    if kind == "reduced":  # some committed tokens (next rounds' roots) lie outside the draft vocabulary
+        assert decoder.drafter.reduced
+        assert set(result.output_ids) - set(decoder.drafter.token_map.tolist())
 
 
 def test_owl_kv_cache_equals_a_fresh_prefill_of_its_output():

@@ -2,7 +2,8 @@
 
 A random-init drafter almost never gets a token accepted, so the drafter here is fitted in a few
 seconds to the target's own greedy continuations of the test prompts: acceptance then goes deep
-into the trees, through the [SPEC] hand-off between rounds.
+into the trees, through the [SPEC] hand-off between rounds. HOWL's drafter has a reduced head (the
+most frequent tokens of those continuations), so the engine also runs a token-mapped beam.
 """
 
 from __future__ import annotations
@@ -17,18 +18,30 @@ from sglang_harness import PROMPTS, engine_args, greedy, model_path, stop
 
 NEW_TOKENS = 128
 PENALTY = {"penalty": 1.3, "penalty_window": 32}
+DRAFT_VOCAB = 48  # of the tiny model's 258 tokens
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(plain_engine, tmp_path_factory):
+def sequences(plain_engine) -> torch.Tensor:
     outs = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
     penalized = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, custom_params=PENALTY),
                                       custom_logit_processor=[ContextualPenaltyProcessor.to_str()] * len(PROMPTS))
     seqs = [p + o["output_ids"] for p, o in zip(PROMPTS + PROMPTS, outs + penalized)]
     length = min(len(s) for s in seqs)
+    return torch.tensor([s[:length] for s in seqs])
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(sequences, tmp_path_factory):
     target = load_model(model_path(), "float64").model
-    drafter = fit_drafter(target, torch.tensor([s[:length] for s in seqs]), steps=12)
-    return drafter.save(tmp_path_factory.mktemp("owl") / "drafter")
+    return fit_drafter(target, sequences, steps=12).save(tmp_path_factory.mktemp("owl") / "drafter")
+
+
+@pytest.fixture(scope="module")
+def reduced_drafter_dir(sequences, tmp_path_factory):
+    target = load_model(model_path(), "float64").model
+    drafter = fit_drafter(target, sequences, steps=12, draft_vocab=DRAFT_VOCAB)
+    return drafter.save(tmp_path_factory.mktemp("owl") / "reduced")
 
 
 def start(algorithm: str, drafter_dir):
@@ -48,8 +61,8 @@ def owl_engine(drafter_dir):
 
 
 @pytest.fixture(scope="module")
-def howl_engine(drafter_dir):
-    engine = start("HOWL", drafter_dir)
+def howl_engine(reduced_drafter_dir):
+    engine = start("HOWL", reduced_drafter_dir)
     yield engine
     stop(engine)
 
