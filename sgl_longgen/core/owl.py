@@ -487,7 +487,7 @@ class GraphedExpand:
     one graph per batch size turns its ~100 kernel launches into one replay.
     """
 
-    def __init__(self, drafter: OwlDrafter, *, top_k: int, depth: int, tree_size: int):
+    def __init__(self, drafter: OwlDrafter, *, top_k: int, depth: int, tree_size: int, compile: bool = False):
         from .cuda_graph import GraphedFunction
 
         self.drafter = drafter
@@ -496,7 +496,9 @@ class GraphedExpand:
             beam = expand(drafter, h_last, roots, h_spec, has_spec, top_k=top_k, depth=depth, tree_size=tree_size)
             return beam.tokens, beam.parents, beam.depths, beam.scores
 
-        self._run = GraphedFunction(run)
+        # A graph replays every one of the beam's ~500 small kernels; torch.compile fuses the
+        # LSTM cell's elementwise work first (compiled during the graph's warm-up runs).
+        self._run = GraphedFunction(torch.compile(run, dynamic=False) if compile else run)
 
     def __call__(self, h_last: torch.Tensor, roots, h_spec: torch.Tensor | None = None,
                  has_spec=None) -> DraftBeam:

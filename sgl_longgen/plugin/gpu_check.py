@@ -108,10 +108,11 @@ def top2_gap(meta: dict, position: int) -> float | None:
     return float(tops[position][0][0] - tops[position][1][0])
 
 
-def owl_drafter_ms(width: int, draft_vocab: int = 0) -> dict:
+def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> dict:
     """Median time (CUDA events, L2 flushed) of one OWL tree expansion for an 8B-shaped target, batch 1:
     eager, and replayed as the CUDA graph the OWL worker uses. ``draft_vocab`` N > 0: the head covers
-    a random map of N target tokens (its cost does not depend on which)."""
+    a random map of N target tokens (its cost does not depend on which). ``compiled``: also the graph of
+    the ``torch.compile``d beam."""
     import torch
 
     from ..core.owl import GraphedExpand, OwlDrafter, expand
@@ -134,7 +135,18 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0) -> dict:
         same = bool(torch.equal(eager_beam.tokens, graph_beam.tokens) and torch.equal(eager_beam.parents, graph_beam.parents))
         eager = time_us(lambda: expand(drafter, h, root, h, has, top_k=10, depth=8, tree_size=30)) / 1e3
         graph = time_us(lambda: graphed(h, root, h, has)) / 1e3
-    return {"eager_ms": round(eager, 3), "graph_ms": round(graph, 3), "graph_matches_eager": same}
+    out = {"eager_ms": round(eager, 3), "graph_ms": round(graph, 3), "graph_matches_eager": same}
+    if compiled:
+        try:
+            fused = GraphedExpand(drafter, top_k=10, depth=8, tree_size=30, compile=True)
+            with torch.no_grad():
+                fused_beam = fused(h, root, h, has)
+                out["compiled_graph_ms"] = round(time_us(lambda: fused(h, root, h, has)) / 1e3, 3)
+            # Fused kernels round differently: count the draft tokens both beams hold.
+            out["compiled_token_agreement"] = round(float((fused_beam.tokens == eager_beam.tokens).float().mean()), 3)
+        except Exception as exc:  # report, do not lose the other numbers
+            out["compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
 
 
 def load_report(path: Path) -> dict:
@@ -229,13 +241,16 @@ def phase_owl(args, report: dict) -> None:
     vocab = LLAMA_8B["vocab_size"]
     draft_vocab = args.owl_draft_vocab if 0 < args.owl_draft_vocab < vocab else vocab
     for width in args.owl_width:
-        r = owl_drafter_ms(width, draft_vocab)
+        r = owl_drafter_ms(width, draft_vocab, args.owl_compile)
         r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first),
                  graph_vs_ar=round(r["graph_ms"] / ar_ms, 3))
         report.setdefault("owl_drafter", {})[f"{width}x{draft_vocab}"] = r
         print(f"OWL drafter (width {width}, draft vocabulary {draft_vocab}, depth 8, top-k 10, 30 nodes): eager "
               f"{r['eager_ms']} ms, CUDA graph {r['graph_ms']} ms = {r['graph_vs_ar']}x an AR step at {first} "
               f"(graph matches eager: {r['graph_matches_eager']})", flush=True)
+        if args.owl_compile:
+            print(f"  compiled: {r.get('compiled_graph_ms', r.get('compiled_error'))} ms, token agreement "
+                  f"{r.get('compiled_token_agreement')}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
                    help="after each timed run, this many tokens with every step section timed (0: skip)")
     p.add_argument("--owl-width", type=int, nargs="+", default=[4096], help="OWL drafter widths for the drafting-cost check")
+    p.add_argument("--owl-compile", action="store_true", help="also time the torch.compile'd beam")
     p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")
     args = p.parse_args(argv)
 

@@ -95,7 +95,7 @@ class TokenSwiftWorker(TreeSpecWorker):
             ranges, keep = state.policy.visible_parts()
             if keep.shape[1] and (state.selected is None or state.selected[0] is not state.policy.selected):
                 state.selected = (state.policy.selected, state.policy.selected[0].to(dev))
-            row = table[batch.req_pool_indices[b]]
+            row = table[step.req.req_pool_idx]  # a view: slices of it copy nothing
             parts = [row[lo:hi] for lo, hi in ranges if hi > lo]
             if keep.shape[1]:
                 parts.append(row[state.selected[1][: keep.shape[1]]])

@@ -205,9 +205,8 @@ class TreeSpecWorker(BaseSpecWorker):
         timer.phase("draft")
 
         spec = self._verify_input(batch, steps, trees)
-        rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices]
-        window = seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=self.device)
-        out_cache_loc = torch.gather(rows, 1, window).flatten().to(torch.int64)
+        table = batch.req_to_token_pool.req_to_token
+        out_cache_loc = torch.cat([table[s.req.req_pool_idx, s.seq_len : s.seq_len + n] for s in steps]).to(torch.int64)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = spec.draft_token
         batch.out_cache_loc = out_cache_loc
@@ -223,7 +222,7 @@ class TreeSpecWorker(BaseSpecWorker):
         draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
         verdicts = [walk_tree(tree, lambda node, d=d: d[node]) for tree, d in zip(trees, draws)]
         timer.section("draw")
-        self._commit_accepted_kv(batch, verdicts)
+        self._commit_accepted_kv(batch, steps, verdicts)
         timer.section("commit_kv")
 
         next_ids = torch.zeros(bs, n, dtype=torch.int32)
@@ -327,7 +326,7 @@ class TreeSpecWorker(BaseSpecWorker):
             draws.append(proc.sample(rows, mask, step.state.generator).tolist())
         return draws
 
-    def _commit_accepted_kv(self, batch, verdicts: list[Verdict]) -> None:
+    def _commit_accepted_kv(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
         """Put the accepted nodes' KV at the front of each verify window (the root stays in place).
 
         With one token per page the slots of a window are only named by the request's
@@ -340,15 +339,13 @@ class TreeSpecWorker(BaseSpecWorker):
         if not moved:
             return
         if self.token_to_kv_pool_allocator.page_size == 1:
-            order = np.tile(np.arange(n, dtype=np.int64), (len(moved), 1))
-            for row, b in enumerate(moved):
-                order[row] = window_order(verdicts[b].nodes, n)
             table = batch.req_to_token_pool.req_to_token
-            pool_rows = batch.req_pool_indices[moved].to(torch.int64)
-            cols = batch.seq_lens[moved].to(torch.int64)[:, None] + torch.arange(n, device=table.device)
-            window = table[pool_rows[:, None], cols]
-            order_dev = torch.from_numpy(order).to(table.device, non_blocking=True)
-            table[pool_rows[:, None], cols] = window.gather(1, order_dev)
+            order = torch.from_numpy(np.stack([window_order(verdicts[b].nodes, n) for b in moved]))
+            order = order.to(table.device, non_blocking=True)
+            for row, b in enumerate(moved):
+                start = steps[b].seq_len
+                window = table[steps[b].req.req_pool_idx, start : start + n]  # a view: no copy
+                window.copy_(window[order[row]])
             return
         rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices]
         window = batch.seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=self.device)

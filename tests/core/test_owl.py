@@ -395,3 +395,15 @@ def test_top_k_wider_than_the_draft_vocabulary_is_clamped():
     beam = expand(d, torch.randn(1, D0, dtype=torch.float64), [0], top_k=5, depth=3, tree_size=50)
     assert beam.size == pool_size(2, 3)
     assert set(beam.tokens.flatten().tolist()) <= set(TOKEN_MAP[:2].tolist())
+
+
+def test_the_compiled_beam_proposes_the_same_tree_as_the_eager_one():
+    d = drafter(seed=5, draft_vocab=N_DRAFT)
+    g = torch.Generator().manual_seed(50)
+    h = torch.randn(2, D0, generator=g, dtype=torch.float64)
+    hs = torch.randn(2, D0, generator=g, dtype=torch.float64)
+    has = torch.tensor([True, False])
+    eager = expand(d, h, [1, 2], hs, has, top_k=3, depth=3, tree_size=8)
+    compiled = GraphedExpand(d, top_k=3, depth=3, tree_size=8, compile=True)(h, [1, 2], hs, has)
+    assert torch.equal(eager.tokens, compiled.tokens) and torch.equal(eager.parents, compiled.parents)
+    assert torch.allclose(eager.scores, compiled.scores)
