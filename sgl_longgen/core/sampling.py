@@ -150,16 +150,3 @@ class LogitsProcessor:
             return processed.argmax(dim=-1)
         probs = torch.softmax(processed.double(), dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-    def top_candidates(
-        self, logits: torch.Tensor, k: int, windows: Sequence[Sequence[int]] | None = None
-    ) -> list[list[int]]:
-        """Up to ``k`` most likely tokens per row under the processed distribution.
-
-        These are draft proposals; tokens the filters removed are left out, since the verifier can
-        never accept them.
-        """
-        processed = self.process(logits, windows)
-        top = processed.topk(min(k, processed.shape[-1]), dim=-1)
-        keep = torch.isfinite(top.values)
-        return [row[ok].tolist() for row, ok in zip(top.indices, keep)]

@@ -39,7 +39,7 @@ def test_ranking_a_short_list_matches_the_full_processor_when_the_list_covers_th
     penalized = apply_penalty(logits, mask.expand(3, vocab), params.penalty)
     assert got == penalized.topk(3, dim=-1).indices.tolist()
     # The same as the whole-vocabulary processor the runtime's verifier uses.
-    assert got == LogitsProcessor(params, vocab).top_candidates(logits, 3, mask.expand(3, vocab))
+    assert got == LogitsProcessor(params, vocab).process(logits, mask.expand(3, vocab)).topk(3).indices.tolist()
 
 
 def test_ranking_drops_what_top_k_and_min_p_would_remove():
