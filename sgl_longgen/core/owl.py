@@ -42,6 +42,7 @@ returned as fixed-shape tensors, so an engine can build its verify inputs withou
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ from torch import nn
 from ..errors import LonggenError
 from .tree import DraftTree, Source
 from .weights import check_shapes, expected_shapes, header_shapes, read_weights
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "sgl-longgen.owl-drafter"
 VERSION = 1
@@ -497,8 +500,10 @@ class GraphedExpand:
             return beam.tokens, beam.parents, beam.depths, beam.scores
 
         # A graph replays every one of the beam's ~500 small kernels; torch.compile fuses the
-        # LSTM cell's elementwise work first (compiled during the graph's warm-up runs).
-        self._run = GraphedFunction(torch.compile(run, dynamic=False) if compile else run)
+        # LSTM cell's elementwise work first (compiled during the graph's warm-up runs). Where
+        # compiling fails (no compiler on the host, say) the plain beam takes over.
+        self._plain = GraphedFunction(run)
+        self._run = GraphedFunction(torch.compile(run, dynamic=False)) if compile else self._plain
 
     def __call__(self, h_last: torch.Tensor, roots, h_spec: torch.Tensor | None = None,
                  has_spec=None) -> DraftBeam:
@@ -510,7 +515,15 @@ class GraphedExpand:
         h_spec = torch.zeros_like(h_last) if h_spec is None else h_spec.to(device=w.device, dtype=w.dtype)
         has_spec = (torch.zeros(B, dtype=torch.bool, device=w.device) if has_spec is None
                     else torch.as_tensor(has_spec, dtype=torch.bool, device=w.device).reshape(B))
-        return DraftBeam(*(t.clone() for t in self._run(h_last, roots, h_spec, has_spec)))
+        try:
+            out = self._run(h_last, roots, h_spec, has_spec)
+        except Exception as exc:
+            if self._run is self._plain:
+                raise
+            logger.warning("compiled OWL beam unavailable, using the plain one: %s", exc)
+            self._run = self._plain
+            out = self._run(h_last, roots, h_spec, has_spec)
+        return DraftBeam(*(t.clone() for t in out))
 
 
 def beam_trees(beam: DraftBeam, roots: Sequence[int] | torch.Tensor) -> list[DraftTree]:

@@ -407,3 +407,16 @@ def test_the_compiled_beam_proposes_the_same_tree_as_the_eager_one():
     compiled = GraphedExpand(d, top_k=3, depth=3, tree_size=8, compile=True)(h, [1, 2], hs, has)
     assert torch.equal(eager.tokens, compiled.tokens) and torch.equal(eager.parents, compiled.parents)
     assert torch.allclose(eager.scores, compiled.scores)
+
+
+def test_a_beam_that_fails_to_compile_falls_back_to_the_plain_one(monkeypatch):
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    d = drafter(seed=6)
+    h = torch.randn(1, D0, dtype=torch.float64)
+    beam = GraphedExpand(d, top_k=2, depth=2, tree_size=4, compile=True)(h, [1])
+    assert torch.equal(beam.tokens, expand(d, h, [1], top_k=2, depth=2, tree_size=4).tokens)
