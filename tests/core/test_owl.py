@@ -267,6 +267,17 @@ def reference_tree(d: OwlDrafter, h, hs, root, K, depth, N):
     return sorted(order), pool
 
 
+def assert_matches_reference(beam, reference, h, hs, has, roots, K, depth, N):
+    """Every row of ``beam`` is the per-node reference tree of ``reference`` (a drafter)."""
+    for b in range(len(roots)):
+        sel, pool = reference_tree(reference, h[b], hs[b] if has[b] else None, roots[b], K, depth, N)
+        pos = {p: i for i, p in enumerate(sel)}
+        assert beam.tokens[b].tolist() == [pool[p][1] for p in sel]
+        assert beam.depths[b].tolist() == [pool[p][3] for p in sel]
+        assert beam.parents[b].tolist() == [pos[pool[p][2]] if pool[p][2] >= 0 else -1 for p in sel]
+        assert torch.allclose(beam.scores[b], torch.tensor([pool[p][0] for p in sel], dtype=beam.scores.dtype))
+
+
 @pytest.mark.parametrize("K,depth,N", [(3, 4, 10), (4, 3, 100), (2, 5, 1), (5, 1, 3)])
 def test_expand_matches_the_per_node_reference(K, depth, N):
     d = drafter(seed=K)
@@ -278,13 +289,7 @@ def test_expand_matches_the_per_node_reference(K, depth, N):
     roots = [1, 7, 22]
     beam = expand(d, h, roots, hs, has, top_k=K, depth=depth, tree_size=N)
     assert beam.size == min(N, pool_size(K, depth))
-    for b in range(B):
-        sel, pool = reference_tree(d, h[b], hs[b] if has[b] else None, roots[b], K, depth, N)
-        pos = {p: i for i, p in enumerate(sel)}
-        assert beam.tokens[b].tolist() == [pool[p][1] for p in sel]
-        assert beam.depths[b].tolist() == [pool[p][3] for p in sel]
-        assert beam.parents[b].tolist() == [pos[pool[p][2]] if pool[p][2] >= 0 else -1 for p in sel]
-        assert torch.allclose(beam.scores[b], torch.tensor([pool[p][0] for p in sel], dtype=beam.scores.dtype))
+    assert_matches_reference(beam, d, h, hs, has, roots, K, depth, N)
 
 
 def test_expanded_trees_are_closed_under_ancestors_and_bounded():
@@ -374,13 +379,7 @@ def test_reduced_expand_equals_the_full_head_restricted_to_the_map(K, depth, N):
     beam = expand(d, h, roots, hs, has, top_k=K, depth=depth, tree_size=N)
     assert beam.size == min(N, pool_size(K, depth))
     assert set(beam.tokens.flatten().tolist()) <= set(TOKEN_MAP.tolist())
-    for b in range(B):
-        sel, pool = reference_tree(full, h[b], hs[b] if has[b] else None, roots[b], K, depth, N)
-        pos = {p: i for i, p in enumerate(sel)}
-        assert beam.tokens[b].tolist() == [pool[p][1] for p in sel]
-        assert beam.depths[b].tolist() == [pool[p][3] for p in sel]
-        assert beam.parents[b].tolist() == [pos[pool[p][2]] if pool[p][2] >= 0 else -1 for p in sel]
-        assert torch.allclose(beam.scores[b], torch.tensor([pool[p][0] for p in sel], dtype=beam.scores.dtype))
+    assert_matches_reference(beam, full, h, hs, has, roots, K, depth, N)
     graphed = GraphedExpand(d, top_k=K, depth=depth, tree_size=N)  # plain calls on CPU tensors
     again = graphed(h, roots, hs, has)
     for a, b in zip((beam.tokens, beam.parents, beam.depths, beam.scores),
