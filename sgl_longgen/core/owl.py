@@ -487,7 +487,7 @@ class GraphedExpand:
     """:func:`expand` for one drafter and tree shape; on CUDA tensors it replays a CUDA graph.
 
     The beam has fixed shapes for a given batch size and never reads values back to the host, so
-    one graph per batch size turns its ~100 kernel launches into one replay.
+    one graph per batch size turns its several hundred kernel launches into one replay.
     """
 
     def __init__(self, drafter: OwlDrafter, *, top_k: int, depth: int, tree_size: int, compile: bool = False):

@@ -117,6 +117,12 @@ def _prepare_server_args(server_args) -> None:
         draft = algo.inspect(server_args.speculative_draft_model_path, server_args.model_path)
     except LonggenError as exc:
         raise ValueError(f"{name}: {exc}") from None
+    # Draft forwards address single-token KV slots and the commit reorders a request's slot
+    # table (plugin/tree_worker.py): both need one token per page.
+    if server_args.page_size is None:
+        server_args.page_size = 1
+    elif server_args.page_size != 1:
+        raise ValueError(f"{name} needs --page-size 1 (one token per KV page), got {server_args.page_size}")
     width, steps, top_k = algo.widths(draft)
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = width

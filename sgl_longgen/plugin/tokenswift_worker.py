@@ -22,6 +22,7 @@ from ..config import PartialKVConfig
 from ..core.heads import load_heads
 from ..core.ngram import NgramPool
 from ..core.partial_kv import PartialKVPolicy
+from ..core.penalty import window_tokens
 from ..core.tokenswift import candidate_count, draft_trie, head_candidates, rank_candidates
 from ..core.tree import DraftTree
 from ..core.verify import Verdict
@@ -101,7 +102,7 @@ class TokenSwiftWorker(TreeSpecWorker):
                 parts.append(row[state.selected[1][: keep.shape[1]]])
             parts.append(row[step.seq_len : step.seq_len + 1])  # the root's own slot
             indices.append(torch.cat(parts))
-            lens.append(sum(hi - lo for lo, hi in ranges) + keep.shape[1] + 1)
+            lens.append(indices[-1].numel())
         kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
         indptr = torch.zeros(len(steps) + 1, dtype=torch.int32)
         indptr[1:] = torch.cumsum(kv_lens_cpu, 0)
@@ -160,7 +161,7 @@ class TokenSwiftWorker(TreeSpecWorker):
                 continue
             sampling = step.sampling
             # Proposals only decide what gets verified: the committed window is enough.
-            window = set(step.history[-sampling.penalty_window :]) if sampling.penalty_active else None
+            window = set(window_tokens(step.history, [], sampling.penalty_window)) if sampling.penalty_active else None
             cands = rank_candidates(values[b], ids[b], sampling, window, width)
             trees.append(draft_trie(step.root, cands, self.ts.tree, step.state.method_state.pool, self.num_nodes))
         self.timer.section("draft_tree")

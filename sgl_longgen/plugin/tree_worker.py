@@ -8,8 +8,9 @@ does the rest the way SGLang's own NGRAM worker does it, with our lossless verif
 2. process each node's logits into its target distribution (SGLang's logit bias, our per-node
    contextual penalty, temperature and SGLang's joint top-k/top-p/min-p), draw one token per
    node, and walk the trie (:func:`sgl_longgen.core.verify.walk_tree`);
-3. move the accepted nodes' KV to the front of the verify window and report the committed tokens
-   (``accept_lens`` includes the bonus token) so SGLang's scheduler advances the request.
+3. put the accepted nodes' KV slots at the front of the verify window (a permutation of the
+   request's ``req_to_token`` entries) and report the committed tokens (``accept_lens`` includes
+   the bonus token) so SGLang's scheduler advances the request.
 
 Requests using features whose effect cannot be extended along a draft path (SGLang's
 count-based penalties, grammars, foreign logit processors) get an empty tree: one exact token
@@ -26,7 +27,6 @@ import msgspec
 import numpy as np
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
@@ -301,14 +301,20 @@ class TreeSpecWorker(BaseSpecWorker):
             sampling_info.apply_logits_bias(root_sglang)
             if sampling_info.has_custom_logit_processor:
                 apply_custom_logit_processor(root_sglang, sampling_info)
-        plain_greedy = [s.blocker is None and s.sampling.greedy and not s.sampling.penalty_active for s in steps]
-        argmax = None
-        if any(plain_greedy) and sampling_info.logit_bias is None:
-            argmax = logits.argmax(dim=-1).tolist()  # one host sync for every such request
+        # Requests whose distribution depends only on their own logits (greedy, no penalty, no
+        # bias) share one draw of the processor: one host sync for all of them.
+        shared = [b for b, s in enumerate(steps) if s.blocker is None and s.sampling.greedy
+                  and not s.sampling.penalty_active and sampling_info.logit_bias is None]
+        batched = {}
+        if shared:
+            proc = LogitsProcessor(steps[shared[0]].sampling, vocab)
+            rows = logits if len(shared) == len(steps) else logits[shared]
+            tokens = proc.sample(rows.flatten(0, 1)).view(len(shared), n).tolist()
+            batched = dict(zip(shared, tokens))
         draws = []
         for b, (step, tree) in enumerate(zip(steps, trees)):
-            if argmax is not None and plain_greedy[b]:
-                draws.append(argmax[b][: tree.num_walkable])
+            if b in batched:
+                draws.append(batched[b][: tree.num_walkable])
                 continue
             if step.blocker is not None:
                 # Any penalty is already in SGLang's processing of the root.
@@ -329,37 +335,22 @@ class TreeSpecWorker(BaseSpecWorker):
     def _commit_accepted_kv(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
         """Put the accepted nodes' KV at the front of each verify window (the root stays in place).
 
-        With one token per page the slots of a window are only named by the request's
-        ``req_to_token`` row (SGLang frees and reuses over-allocated slots through it), so
-        permuting the row's window entries commits the path without touching the KV: a few
-        index ops instead of a gather and scatter per layer. Paged pools move the KV itself.
+        With one token per page (required at startup) the slots of a window are only named by the
+        request's ``req_to_token`` row: SGLang frees and reuses over-allocated slots through it.
+        Permuting the row's window entries commits the path without touching the KV: a few index
+        ops instead of a gather and scatter per layer.
         """
         n = self.num_nodes
         moved = [b for b, v in enumerate(verdicts) if any(node != i for i, node in enumerate(v.nodes))]
         if not moved:
             return
-        if self.token_to_kv_pool_allocator.page_size == 1:
-            table = batch.req_to_token_pool.req_to_token
-            order = torch.from_numpy(np.stack([window_order(verdicts[b].nodes, n) for b in moved]))
-            order = order.to(table.device, non_blocking=True)
-            for row, b in enumerate(moved):
-                start = steps[b].seq_len
-                window = table[steps[b].req.req_pool_idx, start : start + n]  # a view: no copy
-                window.copy_(window[order[row]])
-            return
-        rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices]
-        window = batch.seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=self.device)
-        out_cache_loc = torch.gather(rows, 1, window).flatten().to(torch.int64)
-        tgt, src = [], []
-        for b in moved:
-            for i, node in enumerate(verdicts[b].nodes):
-                if node != i:
-                    tgt.append(b * n + i)
-                    src.append(b * n + node)
-        locs = out_cache_loc[torch.tensor([tgt, src], dtype=torch.int64, device=out_cache_loc.device)]
-        pool = self.token_to_kv_pool_allocator.get_kvcache()
-        # Gather-then-scatter per layer: a target slot may be another pair's source.
-        move_kv_cache_native(pool.k_buffer, pool.v_buffer, locs[0], locs[1])
+        table = batch.req_to_token_pool.req_to_token
+        order = torch.from_numpy(np.stack([window_order(verdicts[b].nodes, n) for b in moved]))
+        order = order.to(table.device, non_blocking=True)
+        for row, b in enumerate(moved):
+            start = steps[b].seq_len
+            window = table[steps[b].req.req_pool_idx, start : start + n]  # a view: no copy
+            window.copy_(window[order[row]])
 
     def _logprobs(self, batch, logits_output, trees, draws, verdicts) -> None:
         from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs

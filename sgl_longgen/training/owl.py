@@ -335,11 +335,15 @@ def fit_drafter(model: Transformer, sequences: torch.Tensor, steps: int, *, widt
     return drafter.eval().requires_grad_(False)
 
 
+def check_draft_vocab(draft_vocab: int, vocab_size: int) -> None:
+    if draft_vocab > vocab_size:
+        raise LonggenError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({vocab_size})")
+
+
 def new_drafter(hidden_size: int, vocab_size: int, width: int, n_steps: int, spec: bool, draft_vocab: int,
                 sequences: torch.Tensor) -> OwlDrafter:
     """An untrained drafter; with ``draft_vocab`` (0: full) its map is the most frequent tokens of ``sequences``."""
-    if draft_vocab > vocab_size:
-        raise LonggenError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({vocab_size})")
+    check_draft_vocab(draft_vocab, vocab_size)
     reduced = 0 < draft_vocab < vocab_size
     drafter = OwlDrafter(hidden_size, vocab_size, width, n_steps, spec, draft_vocab_size=draft_vocab if reduced else None)
     if reduced:
@@ -476,9 +480,7 @@ def train_owl(cfg: OwlTrainConfig, resume: bool = False, command: str = "") -> d
                            f"({loaded.config.max_position_embeddings})")
     if T < cfg.drafter.n_steps + 2:
         raise LonggenError(f"--seq-len {T} is too short for {cfg.drafter.n_steps} draft steps")
-    if cfg.drafter.draft_vocab > loaded.config.vocab_size:
-        raise LonggenError(f"--draft-vocab {cfg.drafter.draft_vocab} exceeds the target's vocabulary "
-                           f"({loaded.config.vocab_size})")
+    check_draft_vocab(cfg.drafter.draft_vocab, loaded.config.vocab_size)  # before generating any data
 
     docs = collect_documents(cfg.data)
     train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)

@@ -69,3 +69,11 @@ def test_launch_server_stops_with_the_message(tmp_path):
     )
     assert res.returncode != 0
     assert f"TOKENSWIFT: heads directory not found: {tmp_path / 'nope'}" in res.stderr
+
+
+def test_paged_kv_pools_are_refused():
+    import sglang as sgl
+
+    with pytest.raises(ValueError, match="TOKENSWIFT needs --page-size 1"):
+        sgl.Engine(**engine_args(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads_path()),
+                                 page_size=16))
