@@ -110,9 +110,12 @@ class OwlConfig(_Strict):
     the verify forward holds ``2 * tree_size + 2`` rows: the paper's "30 drafts + 30 [SPEC]" budget
     is ``tree_size = 30``; without [SPEC], ``tree_size = 60`` gives the same verify width.
     ``prefill_spec`` appends one [SPEC] after the prompt so the first round is conditioned on it
-    (off: the first round uses the drafter's learned null vector instead). ``compile``: in the
-    SGLang workers, ``torch.compile`` the beam before capturing its CUDA graph (fewer, fused
-    kernels: a faster drafter for a slower start; proposals round slightly differently).
+    (off: the first round uses the drafter's learned null vector instead). ``beam``: how the
+    SGLang workers expand the tree on a GPU, always replayed as a CUDA graph: ``fused`` (Triton
+    kernels, six launches per level), ``compiled`` (``torch.compile`` of the PyTorch beam: a
+    slower start) or ``torch``. CPU runs and the reference runtime use the PyTorch beam. The
+    variants round differently in their last bits, so their trees can differ slightly; each is
+    verified exactly.
     """
 
     top_k: Annotated[int, Meta(ge=1, le=64)] = 10
@@ -120,7 +123,7 @@ class OwlConfig(_Strict):
     tree_size: Annotated[int, Meta(ge=1, le=1024)] = 30
     spec: bool = True
     prefill_spec: bool = True
-    compile: bool = False
+    beam: Literal["fused", "compiled", "torch"] = "fused"
 
 
 class SuffixConfig(_Strict):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -487,23 +487,31 @@ class GraphedExpand:
     """:func:`expand` for one drafter and tree shape; on CUDA tensors it replays a CUDA graph.
 
     The beam has fixed shapes for a given batch size and never reads values back to the host, so
-    one graph per batch size turns its several hundred kernel launches into one replay.
+    one graph per batch size turns its several hundred kernel launches into one replay. ``fast``:
+    a drop-in for :func:`expand` on CUDA tensors (the fused kernels of
+    ``sgl_longgen.kernels.owl_beam``; CPU tensors take the plain beam). ``compile``:
+    ``torch.compile`` the beam before capturing it. Where the faster beam fails (no compiler on
+    the host, say) the plain one takes over.
     """
 
-    def __init__(self, drafter: OwlDrafter, *, top_k: int, depth: int, tree_size: int, compile: bool = False):
+    def __init__(self, drafter: OwlDrafter, *, top_k: int, depth: int, tree_size: int,
+                 fast: Callable[..., DraftBeam] | None = None, compile: bool = False):
         from .cuda_graph import GraphedFunction
 
         self.drafter = drafter
 
-        def run(h_last, roots, h_spec, has_spec):
-            beam = expand(drafter, h_last, roots, h_spec, has_spec, top_k=top_k, depth=depth, tree_size=tree_size)
-            return beam.tokens, beam.parents, beam.depths, beam.scores
+        def runner(beam_fn):
+            def run(h_last, roots, h_spec, has_spec):
+                beam = beam_fn(drafter, h_last, roots, h_spec, has_spec, top_k=top_k, depth=depth, tree_size=tree_size)
+                return beam.tokens, beam.parents, beam.depths, beam.scores
+            return run
 
-        # A graph replays every one of the beam's ~500 small kernels; torch.compile fuses the
-        # LSTM cell's elementwise work first (compiled during the graph's warm-up runs). Where
-        # compiling fails (no compiler on the host, say) the plain beam takes over.
-        self._plain = GraphedFunction(run)
-        self._run = GraphedFunction(torch.compile(run, dynamic=False)) if compile else self._plain
+        self._plain = GraphedFunction(runner(expand))
+        run = runner(fast or expand)
+        if compile:  # compiled during the graph's warm-up runs
+            run = torch.compile(run, dynamic=False)
+        self._run = GraphedFunction(run) if (fast is not None or compile) else self._plain
+        self._cuda_only = fast is not None  # fused kernels; a compiled eager beam runs anywhere
 
     def __call__(self, h_last: torch.Tensor, roots, h_spec: torch.Tensor | None = None,
                  has_spec=None) -> DraftBeam:
@@ -511,16 +519,19 @@ class GraphedExpand:
         h_last = h_last.to(device=w.device, dtype=w.dtype)
         B = h_last.shape[0]
         roots = torch.as_tensor(roots, dtype=torch.long, device=w.device).reshape(B)
-        # Fixed inputs for the graph: rows without a [SPEC] state read the null vector either way.
+        # Fixed inputs for the graph, with :func:`expand`'s meaning of the missing ones.
+        if has_spec is None:
+            has_spec = torch.full((B,), h_spec is not None, dtype=torch.bool, device=w.device)
+        else:
+            has_spec = torch.as_tensor(has_spec, dtype=torch.bool, device=w.device).reshape(B)
         h_spec = torch.zeros_like(h_last) if h_spec is None else h_spec.to(device=w.device, dtype=w.dtype)
-        has_spec = (torch.zeros(B, dtype=torch.bool, device=w.device) if has_spec is None
-                    else torch.as_tensor(has_spec, dtype=torch.bool, device=w.device).reshape(B))
+        run = self._plain if (self._cuda_only and not h_last.is_cuda) else self._run
         try:
-            out = self._run(h_last, roots, h_spec, has_spec)
+            out = run(h_last, roots, h_spec, has_spec)
         except Exception as exc:
-            if self._run is self._plain:
+            if run is self._plain:
                 raise
-            logger.warning("compiled OWL beam unavailable, using the plain one: %s", exc)
+            logger.warning("fast OWL beam unavailable, using the plain one: %s", exc)
             self._run = self._plain
             out = self._run(h_last, roots, h_spec, has_spec)
         return DraftBeam(*(t.clone() for t in out))

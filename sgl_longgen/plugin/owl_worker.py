@@ -61,8 +61,11 @@ class OwlWorker(TreeSpecWorker):
             self.expand = lambda h, roots, h_spec, has_spec: expand(
                 self.drafter, h, roots, h_spec, torch.tensor(has_spec), top_k=o.top_k, depth=o.depth, tree_size=o.tree_size)
         else:  # CUDA graph of the beam on GPU (plain calls on CPU tensors)
+            from ..kernels.owl_beam import fused_expand
+
             self.expand = GraphedExpand(self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size,
-                                        compile=o.compile)
+                                        fast=fused_expand if o.beam == "fused" else None,
+                                        compile=o.beam == "compiled")
         sampling = draft.defaults.sampling
         self.set_penalty_defaults(PenaltyDefaults(sampling.penalty, sampling.penalty_window))
         self.defaults = draft.defaults

@@ -419,3 +419,26 @@ def test_a_beam_that_fails_to_compile_falls_back_to_the_plain_one(monkeypatch):
     h = torch.randn(1, D0, dtype=torch.float64)
     beam = GraphedExpand(d, top_k=2, depth=2, tree_size=4, compile=True)(h, [1])
     assert torch.equal(beam.tokens, expand(d, h, [1], top_k=2, depth=2, tree_size=4).tokens)
+
+
+def test_graphed_expand_reads_missing_spec_flags_as_expand_does():
+    d = drafter(seed=8)
+    g = torch.Generator().manual_seed(80)
+    h = torch.randn(2, D0, generator=g, dtype=torch.float64)
+    hs = torch.randn(2, D0, generator=g, dtype=torch.float64)
+    graphed = GraphedExpand(d, top_k=2, depth=2, tree_size=4)
+    for spec in ((hs, None), (None, None)):
+        assert torch.equal(graphed(h, [1, 2], *spec).tokens, expand(d, h, [1, 2], *spec, top_k=2, depth=2, tree_size=4).tokens)
+    # Without the flags every row reads its [SPEC] state: not the null vector's tree.
+    assert not torch.equal(expand(d, h, [1, 2], hs, top_k=2, depth=2, tree_size=4).scores,
+                           expand(d, h, [1, 2], None, top_k=2, depth=2, tree_size=4).scores)
+
+
+def test_a_fast_beam_serves_only_cuda_tensors():
+    def fast(*args, **kwargs):
+        raise AssertionError("the fast beam ran on CPU tensors")
+
+    d = drafter(seed=9)
+    h = torch.randn(1, D0, dtype=torch.float64)
+    beam = GraphedExpand(d, top_k=2, depth=2, tree_size=4, fast=fast)(h, [1])
+    assert torch.equal(beam.tokens, expand(d, h, [1], top_k=2, depth=2, tree_size=4).tokens)
