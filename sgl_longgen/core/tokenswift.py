@@ -18,7 +18,6 @@ import torch
 
 from ..config import SamplingConfig
 from .ngram import NgramPool
-from .penalty import apply_penalty
 from .tree import DraftTree, Source, cartesian_paths
 
 
@@ -57,26 +56,30 @@ def rank_candidates(
 ) -> list[list[int]]:
     """Up to ``width`` proposals per row from raw ``(values, ids)`` (``[rows, k]``, host tensors).
 
-    The contextual penalty re-ranks them (``window``: the penalized tokens); top-k and min-p drop
-    what the verifier could never accept. Top-p needs the whole distribution's mass and is left to
-    the verifier.
+    The contextual penalty re-ranks them (``window``: the penalized tokens; :func:`.penalty.apply_penalty`'s
+    rule); top-k and min-p drop what the verifier could never accept. Top-p needs the whole
+    distribution's mass and is left to the verifier. A few dozen numbers per step: plain Python
+    lists, which cost less than one small tensor op each.
     """
-    values = values.float()
-    if window and params.penalty_active:
-        mask = torch.tensor([[t in window for t in row] for row in ids.tolist()], dtype=torch.bool)
-        values = apply_penalty(values, mask, params.penalty)
-    ranked, order = values.sort(dim=-1, descending=True, stable=True)
-    ranked_ids = ids.gather(-1, order)
+    penalize = bool(window) and params.penalty_active
+    theta = params.penalty
     limit = width if params.greedy or params.top_k <= 0 else min(width, params.top_k)
+    min_logit_gap = math.log(params.min_p) * params.temperature if not params.greedy and params.min_p > 0 else None
     out = []
-    for v, t in zip(ranked.tolist(), ranked_ids.tolist()):
+    for row_values, row_ids in zip(values.tolist(), ids.tolist()):
+        if penalize:
+            row_values = [(v / theta if v > 0 else v * theta) if t in window else v
+                          for v, t in zip(row_values, row_ids)]
+        order = sorted(range(len(row_values)), key=row_values.__getitem__, reverse=True)
         keep = []
-        for value, token in zip(v[:limit], t[:limit]):
+        top = row_values[order[0]] if order else 0.0
+        for i in order[:limit]:
+            value = row_values[i]
             if value == float("-inf"):
                 break
-            if not params.greedy and params.min_p > 0 and (value - v[0]) / params.temperature < math.log(params.min_p):
+            if min_logit_gap is not None and value - top < min_logit_gap:
                 break
-            keep.append(int(token))
+            keep.append(int(row_ids[i]))
         out.append(keep)
     return out
 

@@ -5,7 +5,8 @@ SGLang captures graphs of speculative algorithms only at their verify width, so 
 8B model's 32 layers spend ~20 ms in Python and kernel launches for ~6 ms of GPU work. This
 runner captures that same model forward once per batch size, with the attention backend's own
 graph-mode decode wrappers (``init_forward_metadata_out_graph``), and replays it after
-re-planning the wrappers with the step's indices. The graph runs the decoder stack only (no
+re-planning the wrappers with the step's indices (and copying those indices into the buffers the
+graph reads: see :meth:`DraftGraphRunner._bind`). The graph runs the decoder stack only (no
 LM head): the method's own device work on the final states (``post``: TokenSwift's base and extra
 heads in one GEMM, and their top-k) is captured in the same graph.
 
@@ -14,9 +15,10 @@ exists skips building a ``ForwardBatch`` (:meth:`DraftGraphRunner.replay`).
 
 Steps that re-score the committed positions for the partial-KV policy (forward hooks that read
 each layer's query) stay eager, as does anything the runner cannot serve. The first replay of
-each captured size is compared with the eager forward it was captured from; a mismatch turns the
-runner off with a warning rather than risk a wrong draft (drafts never change the output, but
-a wrong one would cost acceptance silently).
+each captured size is compared with the eager forward it was captured from, and so is the first
+replay after it (new slots, after a verify forward has used the same buffers); a mismatch turns
+the runner off with a warning rather than risk a wrong draft (drafts never change the output,
+but a wrong one would cost acceptance silently).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ Post = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: object  # the ForwardBatch whose tensors the graph reads
-    normed: torch.Tensor  # the final norm's output: compared with the eager forward's at capture
+    normed: torch.Tensor  # the final norm's output: compared with the eager forward's
     outputs: tuple[torch.Tensor, ...]
+    checked: bool = False  # a replay on other inputs than the capture's matched the eager forward
 
 
 class DraftGraphRunner:
@@ -63,6 +66,7 @@ class DraftGraphRunner:
             and not runner.server_args.disable_cuda_graph
             and hasattr(backend, "decode_cuda_graph_metadata")
             and getattr(backend, "cuda_graph_kv_indices", None) is not None
+            and getattr(backend, "kv_indptr", None) is not None
         )
 
     def can_run(self, forward_batch) -> bool:
@@ -72,20 +76,31 @@ class DraftGraphRunner:
         return self.enabled and forward_batch.batch_size <= self.max_bs and not spec.wants_scores
 
     def ready(self, batch_size: int) -> bool:
-        """A graph for this batch size exists: :meth:`replay` can serve the step."""
-        return bool(self.enabled) and batch_size in self.graphs
+        """A checked graph for this batch size exists: :meth:`load` and :meth:`launch` can serve the step."""
+        entry = self.graphs.get(batch_size)
+        return bool(self.enabled) and entry is not None and entry.checked
 
     def run(self, forward_batch) -> tuple[torch.Tensor, ...]:
         """``post``'s outputs for this forward (captured first if its batch size is new)."""
         entry = self.graphs.get(forward_batch.batch_size)
         if entry is None:
             return self._capture(forward_batch)
+        if not entry.checked:
+            return self._check(entry, forward_batch)
         return self.replay(forward_batch)
 
     def replay(self, inputs) -> tuple[torch.Tensor, ...]:
         """Replay the graph of ``inputs.input_ids``'s batch size; ``inputs`` has :data:`INPUTS`."""
-        entry = self.graphs[inputs.input_ids.shape[0]]
-        self._load(entry, inputs)
+        self.load(inputs)
+        return self.launch(inputs.input_ids.shape[0])
+
+    def load(self, inputs) -> None:
+        """Host half of a replay: the graph's inputs and the attention plan for ``inputs``."""
+        self._load(self.graphs[inputs.input_ids.shape[0]], inputs)
+
+    def launch(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Device half of a replay (after :meth:`load`): ``post``'s outputs, computed asynchronously."""
+        entry = self.graphs[batch_size]
         entry.graph.replay()
         return entry.outputs
 
@@ -105,6 +120,22 @@ class DraftGraphRunner:
         static.spec_info = inputs.spec_info  # its kv_indptr / kv_indices plan the wrappers
         with self._context():
             self.runner.attn_backend.init_forward_metadata_out_graph(static, in_capture=False)
+        self._bind(static.batch_size, inputs.spec_info)
+
+    def _bind(self, bs: int, spec) -> None:
+        """Put this step's ``kv_indptr`` / ``kv_indices`` where the captured kernels read them.
+
+        Re-planning a graph's decode wrappers goes through FlashInfer's ``fast_decode_plan``,
+        which copies neither: SGLang's own draft backends write them straight into the
+        backend's graph buffers (``kv_indptr[i]``, ``cuda_graph_kv_indices[i]``). The verify
+        graph fills the same buffers with its slots, so without this copy a replay would attend
+        to the last verify's first positions instead of the partial KV.
+        """
+        backend = self.runner.attn_backend
+        n = spec.kv_indices.numel()
+        for i in range(getattr(backend, "num_wrappers", 1)):
+            backend.kv_indptr[i][: bs + 1].copy_(spec.kv_indptr, non_blocking=True)
+            backend.cuda_graph_kv_indices[i][:n].copy_(spec.kv_indices, non_blocking=True)
 
     def _forward(self, forward_batch):
         model = self.runner.model
@@ -114,6 +145,28 @@ class DraftGraphRunner:
             run(forward_batch.input_ids, forward_batch.positions, forward_batch)
         normed, pre_norm = self.capture.normed, self.capture.value
         return normed, self.post(normed, pre_norm)
+
+    def _matches(self, graph_normed: torch.Tensor, eager_normed: torch.Tensor) -> tuple[bool, str]:
+        err = (graph_normed.float() - eager_normed.float()).abs().max().item()
+        tol = 2e-2 * max(1.0, eager_normed.float().abs().max().item())
+        return err <= tol, f"replayed draft states differ from eager by {err:.3g} (tolerance {tol:.3g})"
+
+    def _check(self, entry: _Graph, forward_batch) -> tuple[torch.Tensor, ...]:
+        """The first replay after capture, against the eager forward on the same inputs."""
+        bs = forward_batch.batch_size
+        self.replay(forward_batch)
+        graph_normed = entry.normed.clone()
+        with self._context():
+            self.runner.attn_backend.init_forward_metadata(forward_batch)
+            eager_normed, outputs = self._forward(forward_batch)
+        ok, why = self._matches(graph_normed, eager_normed)
+        if ok:
+            entry.checked = True
+            logger.info("draft CUDA graph for batch size %d checked against the eager forward", bs)
+        else:
+            self.enabled = False
+            logger.warning("draft CUDA graphs off (batch size %d): %s", bs, why)
+        return outputs
 
     def _capture(self, forward_batch) -> tuple[torch.Tensor, ...]:
         """Capture for this batch size, then check one replay against the eager forward."""
@@ -141,10 +194,9 @@ class DraftGraphRunner:
             self._load(entry, forward_batch)
             graph.replay()
             torch.cuda.synchronize()
-            err = (normed.float() - eager_normed.float()).abs().max().item()
-            tol = 2e-2 * max(1.0, eager_normed.float().abs().max().item())
-            if not err <= tol:
-                raise RuntimeError(f"replayed draft states differ from eager by {err:.3g} (tolerance {tol:.3g})")
+            ok, why = self._matches(normed, eager_normed)
+            if not ok:
+                raise RuntimeError(why)
         except Exception as exc:  # keep serving eagerly; say why once
             self.enabled = False
             logger.warning("draft CUDA graphs off (batch size %d): %s", bs, exc)

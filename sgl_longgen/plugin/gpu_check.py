@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from .host_profile import PROFILE_ENV, PROFILE_PARAM
 from .step_timer import DETAIL_PARAM
 
 LLAMA_8B = dict(
@@ -150,6 +152,20 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> 
     return out
 
 
+def host_profile_summary(path: Path, top: int = 30) -> dict:
+    """The profiled steps' heaviest functions, as ms per step, by own time and by cumulative time."""
+    import pstats
+
+    stats = pstats.Stats(str(path)).stats
+    steps = max((v[1] for k, v in stats.items() if k[2] == "_decode"), default=1)
+    rows = [{"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "calls_per_step": round(v[1] / steps, 1),
+             "own_ms": round(v[2] / steps * 1e3, 3), "cum_ms": round(v[3] / steps * 1e3, 3)}
+            for k, v in stats.items()]
+    return {"steps": steps,
+            "tottime": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "cumtime": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
+
+
 def load_report(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -191,8 +207,13 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                     "cuda_graph": not args.no_cuda_graph}
     if args.algorithm != "TOKENSWIFT":
         result["drafter"] = draft.name
+    profile_path = None
+    if args.host_profile:
+        profile_path = Path(tempfile.mkdtemp(prefix="longgen_host_profile_")) / "steps.prof"
+        os.environ[PROFILE_ENV] = str(profile_path)  # read by the engine's scheduler process
     t = time.time()
     spec = engine(model, draft, args)
+    os.environ.pop(PROFILE_ENV, None)
     result["engine_start_s"] = round(time.time() - t, 1)
     got = spec.generate(input_ids=prompts, sampling_params=greedy(args.tokens))
     equality = []
@@ -226,7 +247,15 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
             row["detail_ms"] = {k[len("longgen_"):-len("_ms")]: round(mean(k), 3) for k in keys}
             print(f"[{tag}] {L}: step sections (ms, GPU-synchronised each): {row['detail_ms']}", flush=True)
         rows.append(row)
+        if profile_path is not None and L == max(long_prompts):
+            spec.generate(input_ids=prompt, sampling_params=greedy(args.host_profile, custom_params={PROFILE_PARAM: True}))
     spec.shutdown()
+    if profile_path is not None and profile_path.exists():
+        result["host_profile"] = host_profile_summary(profile_path)
+        print(f"[{tag}] host profile at {max(long_prompts)} (ms per step, cProfile on):", flush=True)
+        for kind in ("tottime", "cumtime"):
+            for row in result["host_profile"][kind]:
+                print(f"  {kind} {row}", flush=True)
     result["steps"] = rows
     report[tag] = result
     print(f"[{tag}]")
@@ -271,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
     p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
                    help="after each timed run, this many tokens with every step section timed (0: skip)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="TOKENS",
+                   help="after the last context's runs, this many tokens with the worker's decode steps under "
+                        "cProfile; the heaviest functions go into the report (0: skip)")
     p.add_argument("--owl-width", type=int, nargs="+", default=[4096], help="OWL drafter widths for the drafting-cost check")
     p.add_argument("--owl-compile", action="store_true", help="also time the torch.compile'd beam")
     p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")

@@ -87,35 +87,52 @@ class TokenSwiftWorker(TreeSpecWorker):
                                self.num_candidates)
 
     def _draft_inputs(self, batch, steps: list[StepRequest]) -> SimpleNamespace:
-        """What the draft forward reads: each root over its request's partial KV (see :data:`INPUTS`)."""
+        """What the draft forward reads: each root over its request's partial KV (see :data:`INPUTS`).
+
+        Slots are gathered from views of each request's ``req_to_token`` row (one concatenation
+        for the batch); the few per-request integers travel in one pinned host-to-device copy.
+        """
         dev = self.device
+        bs = len(steps)
         table = batch.req_to_token_pool.req_to_token
-        indices, lens = [], []
-        for b, step in enumerate(steps):
+        parts, root_slots, lens = [], [], []
+        for step in steps:
             state: TokenSwiftState = step.state.method_state
             ranges, keep = state.policy.visible_parts()
             if keep.shape[1] and (state.selected is None or state.selected[0] is not state.policy.selected):
                 state.selected = (state.policy.selected, state.policy.selected[0].to(dev))
             row = table[step.req.req_pool_idx]  # a view: slices of it copy nothing
-            parts = [row[lo:hi] for lo, hi in ranges if hi > lo]
+            n = 1
+            for lo, hi in ranges:
+                if hi > lo:
+                    parts.append(row[lo:hi])
+                    n += hi - lo
             if keep.shape[1]:
                 parts.append(row[state.selected[1][: keep.shape[1]]])
-            parts.append(row[step.seq_len : step.seq_len + 1])  # the root's own slot
-            indices.append(torch.cat(parts))
-            lens.append(indices[-1].numel())
-        kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
-        indptr = torch.zeros(len(steps) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(kv_lens_cpu, 0)
-        positions = batch.seq_lens.to(torch.int64)
-        spec = PartialDraftInput(positions=positions, kv_indptr=indptr.to(dev, non_blocking=True),
-                                 kv_indices=torch.cat(indices).to(torch.int32),
-                                 score_ranges=[self._score_range(step) for step in steps])
-        roots = torch.tensor([s.root for s in steps], dtype=torch.int64).to(dev, non_blocking=True)
-        # The root's slot is the first of its verify window: verify overwrites it right after.
-        root_slots = table[batch.req_pool_indices, positions].to(torch.int64)
-        return SimpleNamespace(input_ids=roots, positions=positions, out_cache_loc=root_slots,
-                               req_pool_indices=batch.req_pool_indices, seq_lens=kv_lens_cpu.to(dev, non_blocking=True),
+                n += keep.shape[1]
+            root_slots.append(row[step.seq_len : step.seq_len + 1])  # the first slot of its verify window
+            parts.append(root_slots[-1])
+            lens.append(n)
+        host = self._pinned_ints(3 * bs + 1)
+        host[:bs] = torch.tensor([s.root for s in steps], dtype=torch.int32)
+        host[bs : 2 * bs] = kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        host[2 * bs] = 0
+        torch.cumsum(kv_lens_cpu, 0, out=host[2 * bs + 1 :])
+        ints = host.to(dev, non_blocking=True)
+        spec = PartialDraftInput(positions=batch.seq_lens.to(torch.int64), kv_indptr=ints[2 * bs :],
+                                 kv_indices=torch.cat(parts), score_ranges=[self._score_range(step) for step in steps])
+        return SimpleNamespace(input_ids=ints[:bs], positions=spec.positions,
+                               out_cache_loc=root_slots[0] if bs == 1 else torch.cat(root_slots),
+                               req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
+
+    def _pinned_ints(self, n: int) -> torch.Tensor:
+        """A reused page-locked int32 staging buffer (each step syncs before the next reuses it)."""
+        buf = getattr(self, "_pinned", None)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 64), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._pinned = buf
+        return buf[:n]
 
     def _partial_forward(self, batch, steps: list[StepRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Root tokens through the target over their partial KV; the heads' raw top candidates."""
@@ -123,7 +140,9 @@ class TokenSwiftWorker(TreeSpecWorker):
         spec = inputs.spec_info
         self.timer.section("draft_inputs")
         if self.draft_graphs.ready(len(steps)) and not spec.wants_scores:
-            values, ids = self.draft_graphs.replay(inputs)
+            self.draft_graphs.load(inputs)
+            self.timer.section("draft_plan")
+            values, ids = self.draft_graphs.launch(len(steps))
         else:
             values, ids = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():

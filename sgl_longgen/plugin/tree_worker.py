@@ -45,6 +45,7 @@ from .requests import (
     tree_blocker,
 )
 from .spec_inputs import TreeVerifyInput, relay_input
+from .host_profile import HostProfile
 from .step_timer import DETAIL_PARAM, StepTimer
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class TreeSpecWorker(BaseSpecWorker):
         self.needs_full_mask = backend not in TREE_MASK_BACKENDS
         self.set_penalty_defaults(PenaltyDefaults())
         self.timer = StepTimer(self.device)
+        self.host_profile = HostProfile.from_env()
 
     def set_penalty_defaults(self, defaults: PenaltyDefaults) -> None:
         self.penalty_defaults = defaults
@@ -114,6 +116,8 @@ class TreeSpecWorker(BaseSpecWorker):
 
     def forward_batch_generation(self, batch, on_publish=None, **kwargs) -> GenerationBatchResult:
         if batch.forward_mode.is_decode():
+            if self.host_profile is not None and self.host_profile.wants(batch.reqs):
+                return self.host_profile.run(self._decode, batch, on_publish)
             return self._decode(batch, on_publish)
         return self._extend(batch, on_publish)
 

@@ -1,0 +1,36 @@
+"""The opt-in host profile covers only the requests that ask for it and writes pstats."""
+
+from __future__ import annotations
+
+import pstats
+from types import SimpleNamespace
+
+from sgl_longgen.plugin import host_profile
+from sgl_longgen.plugin.host_profile import PROFILE_ENV, PROFILE_PARAM, HostProfile
+
+
+def req(params):
+    return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=params))
+
+
+def test_off_unless_the_server_opts_in(monkeypatch):
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    assert HostProfile.from_env() is None
+
+
+def test_profiles_asked_steps_and_dumps_stats(monkeypatch, tmp_path):
+    path = tmp_path / "steps.prof"
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    monkeypatch.setattr(host_profile, "DUMP_EVERY", 2)
+    prof = HostProfile.from_env()
+    assert not prof.wants([req(None), req({"penalty": 1.1})])
+    assert prof.wants([req(None), req({PROFILE_PARAM: True})])
+
+    def _decode(x):
+        return sum(i * x for i in range(1000))
+
+    assert prof.run(_decode, 3) == _decode(3)
+    assert not path.exists()  # first dump after DUMP_EVERY steps
+    prof.run(_decode, 4)
+    stats = pstats.Stats(str(path)).stats
+    assert [v[1] for k, v in stats.items() if k[2] == "_decode"] == [2]
