@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..core.owl import DraftBeam, OwlDrafter, expand, pool_size
 
-_INT_MAX = 2**31 - 1
+_INT_MAX = tl.constexpr(2**31 - 1)
 _CHUNK = 2048  # vocabulary slice of one top-k program
 
 

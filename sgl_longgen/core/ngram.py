@@ -34,16 +34,24 @@ class NgramPool:
         """Index the n-grams of ``tokens[:limit]`` not seen yet (``tokens`` only ever grows)."""
         end = len(tokens) if limit is None else min(limit, len(tokens))
         n = self.n
-        for s in range(self._next_start, end - n + 1):
-            first = int(tokens[s])
-            cont = tuple(int(t) for t in tokens[s + 1 : s + n])
-            entry = self._table.setdefault(first, {}).get(cont)
+        start = self._next_start
+        if end - n + 1 <= start:
+            return
+        # One slice, then plain list access: the history may be a view whose items are costly.
+        window = [int(t) for t in tokens[start:end]]
+        table = self._table
+        for i in range(len(window) - n + 1):
+            conts = table.get(window[i])
+            if conts is None:
+                conts = table[window[i]] = {}
+            cont = tuple(window[i + 1 : i + n])
+            entry = conts.get(cont)
             if entry is None:
-                self._table[first][cont] = [1, s]
+                conts[cont] = [1, start + i]
             else:
                 entry[0] += 1
-                entry[1] = s
-        self._next_start = max(self._next_start, end - n + 1)
+                entry[1] = start + i
+        self._next_start = end - n + 1
 
     def lookup(self, first: int, k: int | None = None) -> list[tuple[int, ...]]:
         """Up to ``k`` continuations of ``first``, most frequent first."""

@@ -80,12 +80,23 @@ class DraftTree:
         return node
 
     def add_path(self, tokens: Iterable[int], source: Source = Source.NONE, max_nodes: int | None = None) -> list[int]:
-        """Insert a path below the root; returns its node ids (shorter if ``max_nodes`` is hit)."""
+        """Insert a path below the root; returns its node ids (shorter if ``max_nodes`` is hit).
+
+        Paths share long prefixes (a cartesian head tree, n-grams of one first token), so an
+        existing prefix is followed through the child maps without :meth:`add_child`'s checks.
+        """
         node, out = 0, []
+        children, sources = self.children, self.sources
         for tok in tokens:
-            if max_nodes is not None and int(tok) not in self.children[node] and len(self) >= max_nodes:
-                break
-            node = self.add_child(node, tok, source)
+            tok = int(tok)
+            nxt = children[node].get(tok)
+            if nxt is None:
+                if max_nodes is not None and len(self.tokens) >= max_nodes:
+                    break
+                nxt = self.add_child(node, tok, source)
+            elif source and not sources[nxt] & source:
+                sources[nxt] |= source
+            node = nxt
             out.append(node)
         return out
 
