@@ -159,7 +159,7 @@ def host_profile_summary(path: Path, top: int = 30) -> dict:
     import pstats
 
     stats = pstats.Stats(str(path)).stats
-    steps = max((v[1] for k, v in stats.items() if k[2] == "_decode"), default=1)
+    steps = int(Path(f"{path}.steps").read_text())
     rows = [{"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "calls_per_step": round(v[1] / steps, 1),
              "own_ms": round(v[2] / steps * 1e3, 3), "cum_ms": round(v[3] / steps * 1e3, 3)}
             for k, v in stats.items()]

@@ -5,7 +5,7 @@ functions inside them. The server opts in with ``SGLANG_LONGGEN_HOST_PROFILE=FIL
 only the steps of requests whose ``custom_params`` hold ``{"longgen_host_profile": true}`` are
 profiled (so a benchmark can profile a few steps at the context length it cares about). The
 statistics accumulate over those steps and are written to ``FILE`` (``pstats`` format) every
-:data:`DUMP_EVERY` profiled steps.
+:data:`DUMP_EVERY` profiled steps, with the number of steps they cover in ``FILE.steps``.
 """
 
 from __future__ import annotations
@@ -41,3 +41,5 @@ class HostProfile:
             self.steps += 1
             if self.steps % DUMP_EVERY == 0:
                 self.profiler.dump_stats(self.path)
+                with open(self.path + ".steps", "w") as f:
+                    f.write(f"{self.steps}\n")

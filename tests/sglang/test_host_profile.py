@@ -34,3 +34,4 @@ def test_profiles_asked_steps_and_dumps_stats(monkeypatch, tmp_path):
     prof.run(_decode, 4)
     stats = pstats.Stats(str(path)).stats
     assert [v[1] for k, v in stats.items() if k[2] == "_decode"] == [2]
+    assert (tmp_path / "steps.prof.steps").read_text().strip() == "2"
