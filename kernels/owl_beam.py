@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..core.owl import DraftBeam, OwlDrafter, expand, pool_size
+from ..core.owl import DraftBeam, OwlDrafter, pool_size
 
 _INT_MAX = tl.constexpr(2**31 - 1)
 _CHUNK = 2048  # vocabulary slice of one top-k program
@@ -40,6 +40,25 @@ _CHUNK = 2048  # vocabulary slice of one top-k program
 def _rnd(x, DT: tl.constexpr):
     """Round an fp32 value through the storage dtype, as the eager op would have stored it."""
     return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _top_k(x, keys, valid, K: tl.constexpr, KP: tl.constexpr):
+    """The ``K`` largest of ``x`` (ties: the smaller key) as ``(values, keys)``, ``[KP]`` each.
+
+    ``keys`` (int32) name the entries and are unique where ``valid``; a picked entry is removed
+    by its key. ``K`` passes of max and argmin over the block: ``K`` is the beam's top-k.
+    """
+    kk = tl.arange(0, KP)
+    vals = tl.full([KP], float("-inf"), tl.float32)
+    picks = tl.zeros([KP], tl.int32)
+    for k in range(K):
+        v = tl.max(x, 0)
+        i = tl.min(tl.where(valid & (x == v), keys, _INT_MAX), 0)
+        vals = tl.where(kk == k, v, vals)
+        picks = tl.where(kk == k, i, picks)
+        x = tl.where(keys == i, float("-inf"), x)
+    return vals, picks
 
 
 @triton.jit
@@ -130,15 +149,8 @@ def _chunk_topk_kernel(logits_ptr, V, part_max, part_sum, part_val, part_idx, n_
     mx = tl.max(x, 0)
     tl.store(part_max + r * n_chunks + c, mx)
     tl.store(part_sum + r * n_chunks + c, tl.sum(tl.where(m, tl.exp(x - mx), 0.0), 0))
+    vals, ids = _top_k(x, offs, m, K, KP)
     kk = tl.arange(0, KP)
-    vals = tl.full([KP], float("-inf"), tl.float32)
-    ids = tl.zeros([KP], tl.int32)
-    for k in range(K):
-        v = tl.max(x, 0)
-        i = tl.min(tl.where(m & (x == v), offs, _INT_MAX), 0)
-        vals = tl.where(kk == k, v, vals)
-        ids = tl.where(kk == k, i, ids)
-        x = tl.where(offs == i, float("-inf"), x)
     out = (r * n_chunks + c) * K + kk
     tl.store(part_val + out, vals, mask=kk < K)
     tl.store(part_idx + out, ids, mask=kk < K)
@@ -173,15 +185,9 @@ def _row_merge_kernel(part_max, part_sum, part_val, part_idx, n_chunks, front_s,
     else:
         base = tl.load(front_s + r)
         parent = tl.load(front_idx + r)
+    vals, picked = _top_k(x, ids, pm, K, KP)
+    toks = picked.to(tl.int64)
     kk = tl.arange(0, KP)
-    vals = tl.full([KP], 0.0, tl.float32)
-    toks = tl.zeros([KP], tl.int64)
-    for k in range(K):
-        v = tl.max(x, 0)
-        i = tl.min(tl.where(pm & (x == v), ids, _INT_MAX), 0)
-        vals = tl.where(kk == k, v, vals)
-        toks = tl.where(kk == k, i.to(tl.int64), toks)
-        x = tl.where(ids == i, float("-inf"), x)
     if REDUCED:
         toks = tl.load(token_map + toks, mask=kk < K, other=0)
     slot = b.to(tl.int64) * P + offset + j * K + kk
@@ -202,15 +208,8 @@ def _frontier_kernel(pool_s, pool_t, P, offset, front_s, front_t, front_idx, src
     lm = ls < ROWS * K
     base = b.to(tl.int64) * P + offset
     x = tl.load(pool_s + base + ls, mask=lm, other=float("-inf"))
+    vals, picks = _top_k(x, ls, lm, K, KP)
     kk = tl.arange(0, KP)
-    picks = tl.zeros([KP], tl.int32)
-    vals = tl.zeros([KP], tl.float32)
-    for k in range(K):
-        v = tl.max(x, 0)
-        i = tl.min(tl.where(lm & (x == v), ls, _INT_MAX), 0)
-        picks = tl.where(kk == k, i, picks)
-        vals = tl.where(kk == k, v, vals)
-        x = tl.where(ls == i, float("-inf"), x)
     km = kk < K
     toks = tl.load(pool_t + base + picks, mask=km, other=0)
     out = b * K + kk
@@ -259,11 +258,6 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def fused_supported(drafter: OwlDrafter) -> bool:
-    """Scores are fp32 here; an fp64 drafter (a test oracle) keeps the eager beam."""
-    return drafter.head.weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
-
-
 @torch.no_grad()
 def fused_expand(
     drafter: OwlDrafter,
@@ -276,9 +270,10 @@ def fused_expand(
     depth: int = 8,
     tree_size: int = 30,
 ) -> DraftBeam:
-    """:func:`sgl_longgen.core.owl.expand` (same arguments, same result) in fused kernels."""
-    if not fused_supported(drafter):
-        return expand(drafter, h_last, roots, h_spec, has_spec, top_k=top_k, depth=depth, tree_size=tree_size)
+    """:func:`sgl_longgen.core.owl.expand` (same arguments, same result) in fused kernels.
+
+    Scores accumulate in fp32 whatever the drafter's dtype (the engines run bf16/fp16/fp32).
+    """
     w = drafter.head.weight
     dev, dt = w.device, w.dtype
     h_last = h_last.to(device=dev, dtype=dt).contiguous()
