@@ -35,7 +35,9 @@ class DraftTree:
         self.tokens: list[int] = [int(root_token)]
         self.parents: list[int] = [-1]
         self.depths: list[int] = [0]
-        self.sources: list[Source] = [Source.NONE]
+        # Source flags as plain ints (``== Source.X`` and ``& Source.X`` work): IntFlag arithmetic
+        # costs microseconds per operation, and a trie takes a few hundred per step.
+        self.sources: list[int] = [0]
         self.children: list[dict[int, int]] = [{}]
         self.num_walkable = 1  # nodes before the first leaf added with add_leaf
 
@@ -57,12 +59,12 @@ class DraftTree:
             self.tokens.append(token)
             self.parents.append(parent)
             self.depths.append(self.depths[parent] + 1)
-            self.sources.append(source)
+            self.sources.append(int(source))
             self.children.append({})
             self.children[parent][token] = node
             self.num_walkable += 1
         else:
-            self.sources[node] |= source
+            self.sources[node] |= int(source)
         return node
 
     def add_leaf(self, parent: int, token: int, source: Source) -> int:
@@ -75,7 +77,7 @@ class DraftTree:
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
-        self.sources.append(source)
+        self.sources.append(int(source))
         self.children.append({})
         return node
 
@@ -87,6 +89,7 @@ class DraftTree:
         """
         node, out = 0, []
         children, sources = self.children, self.sources
+        source = int(source)
         for tok in tokens:
             tok = int(tok)
             nxt = children[node].get(tok)

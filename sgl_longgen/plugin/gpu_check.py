@@ -8,8 +8,11 @@ A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift he
    at the first differing position is reported (dummy weights give flat distributions; a
    difference at a bf16-level near-tie is kernel rounding, not the method);
 2. step-time breakdown at each ``--contexts`` length: draft / verify / overhead ms per step (our
-   workers report them in ``meta_info``) next to one plain decode step, then (``--step-detail``)
-   every section of a step on its own;
+   workers report them in ``meta_info``) next to one plain decode step, the end-to-end time per
+   generated token (prefill excluded) and its speedup over plain decoding, then
+   (``--step-detail``) every section of a step on its own, in each ``--detail-modes``
+   (``host``: undisturbed host times plus the forwards' GPU spans; ``sync``: each section
+   synchronised);
 3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, ``--owl-draft-vocab``,
    depth 8, top-k 10, 30 nodes) for one request, next to the plain decode step at the first
    context length.
@@ -228,7 +231,13 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     result["equality"] = equality
     rows = []
     for L, prompt in long_prompts.items():
-        out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens))
+        spec.generate(input_ids=prompt, sampling_params=greedy(1))  # warm-up: first prefill of this length
+        t = time.time()
+        spec.generate(input_ids=prompt, sampling_params=greedy(1))
+        prefill_s = time.time() - t
+        t = time.time()
+        out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens + 1))
+        per_token_ms = (time.time() - t - prefill_s) / args.timed_tokens * 1e3
         meta = out["meta_info"]
         steps = lambda k: [x for x in meta.get(k, []) if x is not None][1:]  # first step: warm-up
         mean = lambda k: statistics.fmean(steps(k)) if steps(k) else float("nan")
@@ -240,14 +249,19 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
         }
         row["draft_vs_ar"] = round(row["draft_ms"] / ar_ms, 2)
         row["verify_vs_ar"] = round(row["verify_ms"] / ar_ms, 2)
-        if args.step_detail:
-            # Every section synchronised: slower steps, but each part of a step on its own.
+        row["ms_per_token"] = round(per_token_ms, 3)
+        row["speedup"] = round(ar_ms / per_token_ms, 2)
+        # Wall time per step outside our worker's three phases: SGLang's scheduler between steps.
+        tau = row["tau"] or float("nan")
+        row["scheduler_ms"] = round(per_token_ms * tau - row["draft_ms"] - row["verify_ms"] - row["overhead_ms"], 2)
+        print(f"[{tag}] {L}: {per_token_ms:.2f} ms/token end to end, {row['speedup']}x plain decoding", flush=True)
+        for mode in (args.detail_modes if args.step_detail else ()):
             out = spec.generate(input_ids=prompt, sampling_params=greedy(
-                args.step_detail, custom_params={DETAIL_PARAM: True}))
+                args.step_detail, custom_params={DETAIL_PARAM: mode}))
             meta = out["meta_info"]
             keys = sorted(k for k in meta if k.startswith("longgen_") and k.endswith("_ms"))
-            row["detail_ms"] = {k[len("longgen_"):-len("_ms")]: round(mean(k), 3) for k in keys}
-            print(f"[{tag}] {L}: step sections (ms, GPU-synchronised each): {row['detail_ms']}", flush=True)
+            row[f"detail_{mode}_ms"] = {k[len("longgen_"):-len("_ms")]: round(mean(k), 3) for k in keys}
+            print(f"[{tag}] {L}: step sections (ms, {mode} mode): {row[f'detail_{mode}_ms']}", flush=True)
         rows.append(row)
         if profile_path is not None and L == max(long_prompts):
             spec.generate(input_ids=prompt, sampling_params=greedy(args.host_profile, custom_params={PROFILE_PARAM: True}))
@@ -261,10 +275,11 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     result["steps"] = rows
     report[tag] = result
     print(f"[{tag}]")
-    print(f"{'context':>8} {'AR ms':>7} {'draft':>7} {'verify':>7} {'overhead':>9} {'draft/AR':>9} {'verify/AR':>10}")
+    print(f"{'context':>8} {'AR ms':>7} {'draft':>7} {'verify':>7} {'overhead':>9} {'draft/AR':>9} {'verify/AR':>10}"
+          f" {'ms/token':>9} {'speedup':>8}")
     for r in rows:
         print(f"{r['context']:>8} {r['ar_step_ms']:>7} {r['draft_ms']:>7} {r['verify_ms']:>7} {r['overhead_ms']:>9}"
-              f" {r['draft_vs_ar']:>9} {r['verify_vs_ar']:>10}", flush=True)
+              f" {r['draft_vs_ar']:>9} {r['verify_vs_ar']:>10} {r['ms_per_token']:>9} {r['speedup']:>8}", flush=True)
 
 
 def phase_owl(args, report: dict) -> None:
@@ -302,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
     p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
                    help="after each timed run, this many tokens with every step section timed (0: skip)")
+    p.add_argument("--detail-modes", nargs="+", choices=("host", "sync"), default=["host", "sync"],
+                   help="step-detail runs: host times undisturbed (plus the forwards' GPU spans), sync each section")
     p.add_argument("--host-profile", type=int, default=0, metavar="TOKENS",
                    help="after the last context's runs, this many tokens with the worker's decode steps under "
                         "cProfile; the heaviest functions go into the report (0: skip)")

@@ -2,11 +2,20 @@
 
 Always: ``longgen_draft_ms`` / ``longgen_verify_ms`` / ``longgen_overhead_ms`` (the verify forward
 is synchronised before its mark, so a forward's GPU time is not billed to what follows it).
-In detail mode every section boundary synchronises the GPU and each section gets its own
-``longgen_<section>_ms`` series: slower steps, but the numbers say which part of the host or
-device work a step pays for. Detail mode is on for the whole server with
-``SGLANG_LONGGEN_STEP_DETAIL=1``, or for the steps of requests whose ``custom_params`` hold
-``{"longgen_step_detail": true}``.
+
+Detail modes give each section of a step its own ``longgen_<section>_ms`` series:
+
+* ``sync``: every section boundary synchronises the GPU, so a section's figure is its host work
+  plus the device work it queued. Slower steps, but each part on its own.
+* ``host``: no extra synchronisation; a section's figure is the host time it took, as in an
+  undisturbed step. Host work done while a forward runs on the GPU shows up here without
+  delaying the step, and the GPU spans of the two forwards come from CUDA events
+  (``longgen_draft_gpu_ms``: the draft forward's replay; ``longgen_verify_gpu_ms``: from the
+  verify call to the end of its device work).
+
+Detail mode is on for the whole server with ``SGLANG_LONGGEN_STEP_DETAIL=1`` (or ``=host``), or
+for the steps of requests whose ``custom_params`` hold ``{"longgen_step_detail": true}`` (or
+``"host"``).
 """
 
 from __future__ import annotations
@@ -23,41 +32,67 @@ DETAIL_PARAM = "longgen_step_detail"
 PHASES = ("draft", "verify", "overhead")
 
 
-def detail_enabled() -> bool:
-    return os.environ.get(DETAIL_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+def detail_mode(value) -> str | None:
+    """``"sync"``, ``"host"`` or None (off) from an environment or request setting."""
+    if value is None or value is False:
+        return None
+    text = str(value).strip().lower()
+    if text == "host":
+        return "host"
+    return "sync" if text in ("1", "true", "yes", "on", "sync") else None
 
 
 class StepTimer:
-    def __init__(self, device: torch.device, detail: bool | None = None):
+    def __init__(self, device: torch.device, detail: str | bool | None = None):
         self.cuda = device.type == "cuda"
-        self.default_detail = detail_enabled() if detail is None else detail
-        self.detail = self.default_detail
+        self.default_detail = detail_mode(os.environ.get(DETAIL_ENV) if detail is None else detail)
+        self.detail: str | None = self.default_detail
         self.values: dict[str, float] = {}
         self._phase_start = self._last = 0.0
+        self._events: dict[str, list] = {}
 
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def start(self, detail: bool = False) -> None:
-        """A new step; ``detail`` turns detail mode on for this step."""
-        self.detail = self.default_detail or detail
+    def start(self, detail: str | bool | None = None) -> None:
+        """A new step; ``detail`` (a request's setting) turns a detail mode on for this step."""
+        self.detail = self.default_detail or detail_mode(detail)
         self.values = {}
+        self._events = {}
         self._phase_start = self._last = time.perf_counter()
 
     def section(self, name: str) -> None:
         """End the detailed section ``name`` (recorded only in detail mode)."""
         if not self.detail:
             return
-        self._sync()
+        if self.detail == "sync":
+            self._sync()
         now = time.perf_counter()
         self.values[f"longgen_{name}_ms"] = round((now - self._last) * 1e3, 3)
         self._last = now
 
     def phase(self, name: str, sync: bool = False) -> None:
         """End the coarse phase ``name`` (one of :data:`PHASES`)."""
-        if sync or self.detail:
+        if sync or self.detail == "sync":
             self._sync()
         now = time.perf_counter()
         self.values[f"longgen_{name}_ms"] = round((now - self._phase_start) * 1e3, 3)
         self._phase_start = self._last = now
+
+    def gpu_mark(self, name: str) -> None:
+        """Start (first call) or end (second call) the GPU span ``name``; host detail mode only."""
+        if self.detail != "host" or not self.cuda:
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._events.setdefault(name, []).append(event)
+
+    def finish(self) -> dict[str, float]:
+        """The step's values, with its GPU spans (call after the step's last synchronisation)."""
+        for name, events in self._events.items():
+            if len(events) == 2:
+                events[1].synchronize()
+                self.values[f"longgen_{name}_ms"] = round(events[0].elapsed_time(events[1]), 3)
+        self._events = {}
+        return self.values

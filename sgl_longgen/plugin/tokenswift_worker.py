@@ -5,7 +5,8 @@ request's *partial* KV only (explicit ``kv_indices``: sinks, the selected positi
 newest ones), the pre-norm state feeds the three heads, and their top candidates plus n-grams of
 the request's history form the trie that :class:`TreeSpecWorker` verifies. The forward, the heads
 and their top-k replay as one CUDA graph (:mod:`.draft_graph`); the host reads back a few
-candidates per head. Whenever the newest
+candidates per head. While that graph runs, the host does what does not need its result:
+indexing the n-grams committed last step and queuing the verify's fixed inputs. Whenever the newest
 tokens would reach the sinks, that same draft forward re-scores the committed positions with the
 root's query.
 """
@@ -69,9 +70,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         pool = NgramPool(ng.n, ng.top_k) if ng.enabled else None
         policy = PartialKVPolicy(self.partial_kv, 1, 1)
         policy.reset(step.seq_len)  # first selection: scored by the first draft forward
-        state = TokenSwiftState(pool, policy)
-        self._index_ngrams(state, step)
-        return state
+        return TokenSwiftState(pool, policy)  # the prompt's n-grams: indexed by the first draft
 
     def _index_ngrams(self, state: TokenSwiftState, step: StepRequest) -> None:
         if state.pool is None:
@@ -113,12 +112,12 @@ class TokenSwiftWorker(TreeSpecWorker):
             root_slots.append(row[step.seq_len : step.seq_len + 1])  # the first slot of its verify window
             parts.append(root_slots[-1])
             lens.append(n)
-        host = self._pinned_ints(3 * bs + 1)
+        host = self.staging("draft", 3 * bs + 1, torch.int32)
         host[:bs] = torch.tensor([s.root for s in steps], dtype=torch.int32)
         host[bs : 2 * bs] = kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
         host[2 * bs] = 0
         torch.cumsum(kv_lens_cpu, 0, out=host[2 * bs + 1 :])
-        ints = host.to(dev, non_blocking=True)
+        ints = host.to(dev, non_blocking=True, copy=True)
         spec = PartialDraftInput(positions=batch.seq_lens.to(torch.int64), kv_indptr=ints[2 * bs :],
                                  kv_indices=torch.cat(parts), score_ranges=[self._score_range(step) for step in steps])
         return SimpleNamespace(input_ids=ints[:bs], positions=spec.positions,
@@ -126,23 +125,20 @@ class TokenSwiftWorker(TreeSpecWorker):
                                req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
-    def _pinned_ints(self, n: int) -> torch.Tensor:
-        """A reused page-locked int32 staging buffer (each step syncs before the next reuses it)."""
-        buf = getattr(self, "_pinned", None)
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 64), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._pinned = buf
-        return buf[:n]
-
     def _partial_forward(self, batch, steps: list[StepRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Root tokens through the target over their partial KV; the heads' raw top candidates."""
+        """Root tokens through the target over their partial KV; the heads' raw top candidates.
+
+        From a CUDA graph the results are still being computed when this returns.
+        """
         inputs = self._draft_inputs(batch, steps)
         spec = inputs.spec_info
         self.timer.section("draft_inputs")
         if self.draft_graphs.ready(len(steps)) and not spec.wants_scores:
             self.draft_graphs.load(inputs)
             self.timer.section("draft_plan")
+            self.timer.gpu_mark("draft_gpu")
             values, ids = self.draft_graphs.launch(len(steps))
+            self.timer.gpu_mark("draft_gpu")
         else:
             values, ids = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
@@ -171,17 +167,25 @@ class TokenSwiftWorker(TreeSpecWorker):
     @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:
         values, ids = self._partial_forward(batch, steps)
+        # In the draft forward's shadow: everything that does not need its candidates.
+        windows = []
+        for step in steps:
+            self._index_ngrams(step.state.method_state, step)
+            sampling = step.sampling
+            # Proposals only decide what gets verified: the committed window is enough.
+            active = step.blocker is None and sampling.penalty_active
+            windows.append(set(window_tokens(step.history, [], sampling.penalty_window)) if active else None)
+        self.prepare_verify_static(batch, steps)
+        self.timer.section("draft_shadow")
         values, ids = values.cpu(), ids.cpu()
+        self.timer.section("draft_wait")
         width = max(self.ts.tree)
         trees = []
         for b, step in enumerate(steps):
             if step.blocker is not None:
                 trees.append(DraftTree(step.root))
                 continue
-            sampling = step.sampling
-            # Proposals only decide what gets verified: the committed window is enough.
-            window = set(window_tokens(step.history, [], sampling.penalty_window)) if sampling.penalty_active else None
-            cands = rank_candidates(values[b], ids[b], sampling, window, width)
+            cands = rank_candidates(values[b], ids[b], step.sampling, windows[b], width)
             trees.append(draft_trie(step.root, cands, self.ts.tree, step.state.method_state.pool, self.num_nodes))
         self.timer.section("draft_tree")
         return trees
@@ -198,7 +202,6 @@ class TokenSwiftWorker(TreeSpecWorker):
         return rng
 
     def after_commit(self, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
+        # The new n-grams are indexed by the next draft, while its forward runs.
         for step, verdict in zip(steps, verdicts):
-            state: TokenSwiftState = step.state.method_state
-            state.policy.commit(step.seq_len + len(verdict.nodes))
-            self._index_ngrams(state, step)
+            step.state.method_state.policy.commit(step.seq_len + len(verdict.nodes))

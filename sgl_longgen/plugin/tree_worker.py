@@ -70,6 +70,31 @@ class StepRequest:
         return self.history[-1]
 
 
+@dataclass
+class VerifyStatic:
+    """Verify inputs known before the tries: slots, position base, the custom mask's prefix."""
+
+    out_cache_loc: torch.Tensor  # [bs * N] int64: each request's verify window
+    position_base: torch.Tensor  # [bs, 1] int64: each request's committed length
+    custom_mask: torch.Tensor | None  # flat FULL-layout mask, all True until the tries go in
+    mask_offsets: list[int]  # where each request's [N, seq_len + N] block starts
+
+
+def verify_static(batch, steps: list[StepRequest], n: int, full_mask: bool) -> VerifyStatic:
+    dev = batch.seq_lens.device
+    table = batch.req_to_token_pool.req_to_token
+    windows = [table[s.req.req_pool_idx, s.seq_len : s.seq_len + n] for s in steps]
+    out_cache_loc = (windows[0] if len(windows) == 1 else torch.cat(windows)).to(torch.int64)
+    custom_mask, offsets = None, []
+    if full_mask:
+        total = 0
+        for s in steps:
+            offsets.append(total)
+            total += n * (s.seq_len + n)
+        custom_mask = torch.ones(total, dtype=torch.bool, device=dev)
+    return VerifyStatic(out_cache_loc, batch.seq_lens.to(torch.int64)[:, None], custom_mask, offsets)
+
+
 class TreeSpecWorker(BaseSpecWorker):
     # What the target forwards must also return (OWL reads hidden states).
     capture_hidden_mode = CaptureHiddenMode.NULL  # verify
@@ -94,6 +119,8 @@ class TreeSpecWorker(BaseSpecWorker):
         self.set_penalty_defaults(PenaltyDefaults())
         self.timer = StepTimer(self.device)
         self.host_profile = HostProfile.from_env()
+        self._staging: dict[str, torch.Tensor] = {}
+        self._static: VerifyStatic | None = None
 
     def set_penalty_defaults(self, defaults: PenaltyDefaults) -> None:
         self.penalty_defaults = defaults
@@ -133,6 +160,27 @@ class TreeSpecWorker(BaseSpecWorker):
 
     def after_extend(self, batch, result) -> None:
         """Read what a prefill forward produced besides the first tokens (hidden states)."""
+
+    def prepare_verify_static(self, batch, steps: list[StepRequest]) -> "VerifyStatic":
+        """The verify inputs that do not depend on the tries, queued on the device now.
+
+        A method whose draft runs asynchronously calls this while the draft forward is on the
+        GPU, so the work is off the step's critical path; otherwise :meth:`_decode` calls it.
+        """
+        self._static = verify_static(batch, steps, self.num_nodes, self.needs_full_mask)
+        return self._static
+
+    def staging(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused page-locked host buffer for one host-to-device copy per step and purpose.
+
+        Reuse is safe because each step synchronises with the device (the draw reads the
+        verify's logits) after its copies were queued and before the next step refills them.
+        """
+        buf = self._staging.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 64), dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._staging[name] = buf
+        return buf[:n]
 
     def prepare_verify(self, batch, steps: list[StepRequest], trees: list[DraftTree]) -> None:
         """Last changes to the verify batch before the forward (e.g. input embedding overrides)."""
@@ -185,8 +233,9 @@ class TreeSpecWorker(BaseSpecWorker):
     def _decode(self, batch, on_publish) -> GenerationBatchResult:
         reqs = batch.reqs
         timer = self.timer
-        timer.start(any((r.sampling_params.custom_params or {}).get(DETAIL_PARAM) for r in reqs))
+        timer.start(next(filter(None, ((r.sampling_params.custom_params or {}).get(DETAIL_PARAM) for r in reqs)), None))
         self.step_count += 1
+        self._static = None
         bs, n = len(reqs), self.num_nodes
         seq_lens = batch.seq_lens
         seq_cpu = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else seq_lens.tolist()
@@ -208,16 +257,17 @@ class TreeSpecWorker(BaseSpecWorker):
                 raise RuntimeError("draft() must return a root-only tree for blocked requests")
         timer.phase("draft")
 
-        spec = self._verify_input(batch, steps, trees)
-        table = batch.req_to_token_pool.req_to_token
-        out_cache_loc = torch.cat([table[s.req.req_pool_idx, s.seq_len : s.seq_len + n] for s in steps]).to(torch.int64)
+        static = self._static if self._static is not None else self.prepare_verify_static(batch, steps)
+        spec = self._verify_input(steps, trees, static)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = spec.draft_token
-        batch.out_cache_loc = out_cache_loc
+        batch.out_cache_loc = static.out_cache_loc
         batch.spec_info = spec
         self.prepare_verify(batch, steps, trees)
         timer.section("verify_inputs")
+        timer.gpu_mark("verify_gpu")
         res = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        timer.gpu_mark("verify_gpu")
         logits_output = res.logits_output
         self.after_verify_forward(steps, spec, logits_output)
         timer.section("verify_forward")
@@ -229,14 +279,18 @@ class TreeSpecWorker(BaseSpecWorker):
         self._commit_accepted_kv(batch, steps, verdicts)
         timer.section("commit_kv")
 
-        next_ids = torch.zeros(bs, n, dtype=torch.int32)
-        accept_lens_cpu = torch.zeros(bs, dtype=torch.int32)
+        # The committed tokens and their counts travel to the device in one copy.
+        host = self.staging("result", bs * n + bs, torch.int32)
+        packed = host.numpy()
+        packed[: bs * n] = 0
+        accepted = []
         for b, (step, verdict) in enumerate(zip(steps, verdicts)):
-            next_ids[b, : len(verdict.tokens)] = torch.tensor(verdict.tokens, dtype=torch.int32)
-            accept_lens_cpu[b] = len(verdict.tokens)
+            packed[b * n : b * n + len(verdict.tokens)] = verdict.tokens
+            packed[bs * n + b] = len(verdict.tokens)
+            accepted.append(len(verdict.tokens))
             step.history = step.history.extended(verdict.tokens)
-        accept_lens = accept_lens_cpu.to(self.device)
-        next_token_ids = next_ids.flatten().to(self.device)
+        on_device = host.to(self.device, non_blocking=True, copy=True)
+        next_token_ids, accept_lens = on_device[: bs * n], on_device[bs * n :]
         new_seq_lens = seq_lens + accept_lens
         if batch.return_logprob:
             self._logprobs(batch, logits_output, trees, draws, verdicts)
@@ -248,7 +302,7 @@ class TreeSpecWorker(BaseSpecWorker):
         timer.section("after_commit")
         timer.phase("overhead")
 
-        record_step_times(reqs, accept_lens_cpu.tolist(), timer.values)
+        record_step_times(reqs, accepted, timer.finish())
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_token_ids,
@@ -259,13 +313,17 @@ class TreeSpecWorker(BaseSpecWorker):
             can_run_cuda_graph=res.can_run_cuda_graph,
         )
 
-    def _verify_input(self, batch, steps: list[StepRequest], trees: list[DraftTree]) -> TreeVerifyInput:
+    def _verify_input(self, steps: list[StepRequest], trees: list[DraftTree], static: VerifyStatic) -> TreeVerifyInput:
         """Pad each trie to ``num_nodes``: padding nodes hang off the root and are never walked."""
         n, dev = self.num_nodes, self.device
         bs = len(trees)
-        masks = np.zeros((bs, n, n), dtype=np.bool_)
-        tokens = np.empty((bs, n), dtype=np.int64)
-        depths = np.ones((bs, n), dtype=np.int64)
+        mask_host = self.staging("verify_mask", bs * n * n, torch.bool)
+        masks = mask_host.numpy().reshape(bs, n, n)
+        masks[:] = False
+        host = self.staging("verify", 2 * bs * n, torch.int64)
+        tokens = host.numpy()[: bs * n].reshape(bs, n)
+        depths = host.numpy()[bs * n :].reshape(bs, n)
+        depths[:] = 1
         pad = np.arange(n)
         for b, (step, tree) in enumerate(zip(steps, trees)):
             t = len(tree)
@@ -277,17 +335,15 @@ class TreeSpecWorker(BaseSpecWorker):
             tokens[b, :t] = tree.tokens
             tokens[b, t:] = step.root
             depths[b, :t] = tree.depths
-        tree_mask = torch.from_numpy(masks).to(dev)
-        draft_token = torch.from_numpy(tokens).flatten().to(dev)
-        positions = (batch.seq_lens.to(torch.int64)[:, None] + torch.from_numpy(depths).to(dev)).flatten()
-        custom_mask = None
-        if self.needs_full_mask:
-            custom_mask = torch.cat([
-                torch.cat([torch.ones(n, step.seq_len, dtype=torch.bool, device=dev), m], dim=1).flatten()
-                for step, m in zip(steps, tree_mask)
-            ])
+        ints = host.to(dev, non_blocking=True, copy=True)
+        tree_mask = mask_host.to(dev, non_blocking=True, copy=True).view(bs, n, n)
+        positions = (static.position_base + ints[bs * n :].view(bs, n)).flatten()
+        if static.custom_mask is not None:
+            for b, (step, offset) in enumerate(zip(steps, static.mask_offsets)):
+                width = step.seq_len + n
+                static.custom_mask[offset : offset + n * width].view(n, width)[:, step.seq_len :].copy_(tree_mask[b])
         return TreeVerifyInput(
-            draft_token=draft_token, positions=positions, tree_mask=tree_mask, custom_mask=custom_mask,
+            draft_token=ints[: bs * n], positions=positions, tree_mask=tree_mask, custom_mask=static.custom_mask,
             draft_token_num=n, capture_hidden_mode=self.capture_hidden_mode,
         )
 

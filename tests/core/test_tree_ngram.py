@@ -86,3 +86,23 @@ def test_ngram_pool_extends_incrementally_and_honours_the_limit():
     assert limited.lookup(4) == []
     limited.extend(seq)
     assert limited._table == whole._table
+
+
+def test_ngram_pool_kept_best_list_matches_a_full_ranking():
+    """The incrementally kept top-k equals ranking every continuation from scratch, at all times."""
+    import heapq
+    import random
+
+    rng = random.Random(0)
+    # A small alphabet makes frequent first tokens with many distinct continuations.
+    seq = [rng.choice(range(6)) if rng.random() < 0.8 else rng.randrange(40) for _ in range(3000)]
+    pool = NgramPool(n=3, top_k=4)
+    for end in range(0, len(seq) + 1, 7):
+        pool.extend(seq, limit=end)
+        for first, conts in pool._table.items():
+            want = [c for c, _ in heapq.nlargest(4, conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))]
+            assert pool.lookup(first) == want
+            assert pool.lookup(first, k=2) == want[:2]
+    assert pool.lookup(0, k=10) == [c for c, _ in heapq.nlargest(
+        10, pool._table[0].items(), key=lambda kv: (kv[1][0], kv[1][1]))]
+    assert NgramPool(n=3, top_k=0).lookup(0) == []

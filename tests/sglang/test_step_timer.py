@@ -37,3 +37,18 @@ def test_the_environment_turns_detail_on_for_every_step(monkeypatch):
     timer = StepTimer(torch.device("cpu"))
     timer.start()
     assert "longgen_a_ms" in _step(timer)
+
+
+def test_host_mode_times_sections_without_synchronising(monkeypatch):
+    monkeypatch.delenv(DETAIL_ENV, raising=False)
+    timer = StepTimer(torch.device("cpu"))
+    timer.start(detail="host")
+    timer.gpu_mark("draft_gpu")  # CPU: no events, no GPU span
+    values = _step(timer)
+    assert timer.detail == "host"
+    assert set(timer.finish()) == {"longgen_a_ms", "longgen_draft_ms", "longgen_verify_ms"}
+    assert 2.0 <= values["longgen_a_ms"] <= values["longgen_draft_ms"]
+    timer.start(detail="nonsense")  # an unknown setting leaves detail off
+    assert timer.detail is None
+    monkeypatch.setenv(DETAIL_ENV, "host")
+    assert StepTimer(torch.device("cpu")).default_detail == "host"
