@@ -110,6 +110,14 @@ class LongGenAttnBackend(FlashInferAttnBackend):
         self._graph_fold_workspace: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------- dispatch
+    def reads_tree_blocks(self) -> bool:
+        """TARGET_VERIFY needs only ``spec_info.tree_mask`` (``[bs, N, N]``), not a FULL custom mask.
+
+        False when FlashInfer's own verify serves instead (unsupported model) or check mode
+        compares against it: both read the FULL mask.
+        """
+        return self._disabled is None and not self._check
+
     def _serves(self, forward_batch) -> bool:
         spec_info = forward_batch.spec_info
         return (

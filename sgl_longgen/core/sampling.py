@@ -145,6 +145,9 @@ class LogitsProcessor:
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """One token per row: argmax when greedy, else a draw from the processed distribution."""
+        if self.greedy and not self.banned.numel() and (windows is None or not self.params.penalty_active):
+            # Nothing to apply: the argmax of the raw logits (widening bf16 to fp32 is exact).
+            return logits[..., : self.vocab_size].argmax(dim=-1)
         processed = self.process(logits, windows)
         if self.greedy:
             return processed.argmax(dim=-1)

@@ -43,8 +43,8 @@ def head_candidates(
     """
     states = torch.stack([normed, *heads(h0)[:num_heads]], dim=-2)  # [bs, 1 + H, d]
     logits = torch.matmul(states.to(lm_head_weight.dtype), lm_head_weight.t())[..., :vocab_size]
-    values, ids = logits.float().topk(k, dim=-1)
-    return values, ids
+    values, ids = logits.topk(k, dim=-1)  # in the head's dtype: widening first would copy every row
+    return values.float(), ids
 
 
 def rank_candidates(

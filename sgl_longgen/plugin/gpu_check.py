@@ -84,7 +84,8 @@ def engine(model: Path, draft: Path | None, args) -> object:
     import sglang as sgl
 
     kw = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True,
-              attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction,
+              attention_backend=args.attention_backend or (None if draft is not None else "flashinfer"),
+              mem_fraction_static=args.mem_fraction,
               context_length=131072, log_level="warning", random_seed=0, chunked_prefill_size=16384,
               disable_radix_cache=True, max_running_requests=4, cuda_graph_max_bs_decode=2)
     if draft is not None:
@@ -207,7 +208,7 @@ def phase_plain(args, model: Path, prompts, long_prompts, report: dict) -> None:
 def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: dict) -> None:
     if "plain_outputs" not in report:
         raise SystemExit("run --phase plain first (same --out)")
-    tag = f"{args.algorithm.lower()}_{args.attention_backend}" + ("_eager" if args.no_cuda_graph else "")
+    tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
     result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
                     "cuda_graph": not args.no_cuda_graph}
     if args.algorithm != "TOKENSWIFT":
@@ -220,6 +221,11 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     spec = engine(model, draft, args)
     os.environ.pop(PROFILE_ENV, None)
     result["engine_start_s"] = round(time.time() - t, 1)
+    try:
+        result["attention_backend_used"] = spec.get_server_info().get("attention_backend")
+    except Exception as exc:  # a report without it is still worth having
+        result["attention_backend_used"] = f"unknown ({exc})"
+    print(f"[{tag}] attention backend: {result['attention_backend_used']}", flush=True)
     got = spec.generate(input_ids=prompts, sampling_params=greedy(args.tokens))
     equality = []
     for w, g in zip(report["plain_outputs"], got):
@@ -309,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timed-tokens", type=int, default=256)
     p.add_argument("--budget", type=int, default=4096, help="partial KV budget B")
     p.add_argument("--draft-tokens", type=int, default=64, help="speculative_num_draft_tokens")
-    p.add_argument("--attention-backend", default="flashinfer")
+    p.add_argument("--attention-backend", default=None,
+                   help="default: flashinfer for plain decoding, SGLang's choice with our plugin for the algorithms")
     p.add_argument("--mem-fraction", type=float, default=0.8)
     p.add_argument("--algorithm", choices=("TOKENSWIFT", "OWL", "HOWL"), default="TOKENSWIFT",
                    help="the speculative algorithm of the spec phase (OWL/HOWL: a random drafter of "

@@ -5,7 +5,8 @@
 * a check of ``--speculative-draft-model-path`` that runs when the server arguments are built,
   so a bad draft directory stops startup with a message naming the file, and that defaults
   ``speculative_num_draft_tokens / num_steps / eagle_topk`` from the draft's own settings;
-* the ``longgen_torch`` attention backend (and ``longgen`` when the kernels are importable);
+* the ``longgen_torch`` attention backend (and ``longgen`` when the kernels are importable),
+  which our algorithms get where SGLang would choose FlashInfer;
 * on CPU only, PyTorch stand-ins for the ``sgl_kernel`` CPU ops.
 """
 
@@ -143,6 +144,27 @@ def _skip_draft_config_lookup(speculative_algorithm, speculative_draft_model_pat
     return (speculative_algorithm, speculative_draft_model_path, *args), kwargs
 
 
+def _prefer_longgen_backend(result, server_args, *args, **kwargs):
+    """Where SGLang picks FlashInfer for one of our algorithms, pick its hybrid-verify subclass.
+
+    ``longgen`` is FlashInfer for prefill and decode; its TARGET_VERIFY runs the long prefix
+    through FlashInfer and the draft tree through a Triton kernel, about half the verify time of
+    FlashInfer's custom-mask prefill at 98K context. An explicit ``--attention-backend`` is
+    never overridden.
+    """
+    if result != "flashinfer" or (server_args.speculative_algorithm or "").upper() not in ALGORITHMS:
+        return None
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    from ..kernels.sglang_backend import BACKEND_NAME
+
+    if BACKEND_NAME not in ATTENTION_BACKENDS:
+        return None
+    logger.info("%s: attention backend %s (FlashInfer with hybrid tree verification)",
+                server_args.speculative_algorithm, BACKEND_NAME)
+    return BACKEND_NAME
+
+
 def _penalty_into_sampling_info(result, info, batch, vocab_size, *args, **kwargs):
     """SGLang's own sampling applies our contextual penalty on servers running our algorithms."""
     from .requests import active_penalty_defaults, penalty_settings
@@ -188,6 +210,8 @@ def register_all() -> None:
                           _skip_draft_config_lookup, HookType.BEFORE)
     HookRegistry.register("sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.adjusted_from_schedule_batch",
                           _penalty_into_sampling_info, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs._get_default_attn_backend",
+                          _prefer_longgen_backend, HookType.AFTER)
     if is_cpu():
         from . import cpu_ops
 

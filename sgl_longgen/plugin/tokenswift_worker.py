@@ -13,6 +13,7 @@ root's query.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -39,7 +40,8 @@ from .tree_worker import StepRequest, TreeSpecWorker
 class TokenSwiftState:
     pool: NgramPool | None
     policy: PartialKVPolicy
-    # The policy's current selection on the device: (its host tensor, the device copy).
+    # The policy's current selection as KV slots on the device: (the policy's tensor, slots ranked
+    # like it). Selected positions lie before every later verify window, so their slots stay put.
     selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -61,6 +63,8 @@ class TokenSwiftWorker(TreeSpecWorker):
         self.capture = PreNormCapture(self.model)
         self.scorer = ImportanceScorer(self.model_runner)
         self.num_candidates = candidate_count(self.ts.tree, self.vocab_size)
+        if self.vocab_size >= 1 << 24:
+            raise ValueError(f"TOKENSWIFT supports vocabularies below 2**24 tokens, got {self.vocab_size}")
         self.draft_graphs = DraftGraphRunner(self.model_runner, self.capture, self._candidates)
 
     # -- state ------------------------------------------------------------------------------------
@@ -80,10 +84,15 @@ class TokenSwiftWorker(TreeSpecWorker):
 
     # -- draft -------------------------------------------------------------------------------------
 
-    def _candidates(self, normed: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The heads' raw top candidates (in the draft graph when there is one)."""
-        return head_candidates(self.heads, h0, normed, self.lm_head_weight, self.ts.num_heads, self.vocab_size,
-                               self.num_candidates)
+    def _candidates(self, normed: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor]:
+        """The heads' raw top candidates (in the draft graph when there is one).
+
+        Values and token ids travel as one ``[2, bs, 1 + H, k]`` fp32 tensor (ids below 2**24 are
+        exact), so the host reads them with one copy.
+        """
+        values, ids = head_candidates(self.heads, h0, normed, self.lm_head_weight, self.ts.num_heads,
+                                      self.vocab_size, self.num_candidates)
+        return (torch.stack([values, ids.to(values.dtype)]),)
 
     def _draft_inputs(self, batch, steps: list[StepRequest]) -> SimpleNamespace:
         """What the draft forward reads: each root over its request's partial KV (see :data:`INPUTS`).
@@ -98,25 +107,26 @@ class TokenSwiftWorker(TreeSpecWorker):
         for step in steps:
             state: TokenSwiftState = step.state.method_state
             ranges, keep = state.policy.visible_parts()
-            if keep.shape[1] and (state.selected is None or state.selected[0] is not state.policy.selected):
-                state.selected = (state.policy.selected, state.policy.selected[0].to(dev))
             row = table[step.req.req_pool_idx]  # a view: slices of it copy nothing
+            if keep.shape[1] and (state.selected is None or state.selected[0] is not state.policy.selected):
+                state.selected = (state.policy.selected, row[state.policy.selected[0].to(dev)])
             n = 1
             for lo, hi in ranges:
                 if hi > lo:
                     parts.append(row[lo:hi])
                     n += hi - lo
             if keep.shape[1]:
-                parts.append(row[state.selected[1][: keep.shape[1]]])
+                parts.append(state.selected[1][: keep.shape[1]])
                 n += keep.shape[1]
             root_slots.append(row[step.seq_len : step.seq_len + 1])  # the first slot of its verify window
             parts.append(root_slots[-1])
             lens.append(n)
         host = self.staging("draft", 3 * bs + 1, torch.int32)
-        host[:bs] = torch.tensor([s.root for s in steps], dtype=torch.int32)
-        host[bs : 2 * bs] = kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
-        host[2 * bs] = 0
-        torch.cumsum(kv_lens_cpu, 0, out=host[2 * bs + 1 :])
+        packed = host.numpy()
+        packed[:bs] = [s.root for s in steps]
+        packed[bs : 2 * bs] = lens
+        packed[2 * bs :] = list(itertools.accumulate(lens, initial=0))
+        kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
         ints = host.to(dev, non_blocking=True, copy=True)
         spec = PartialDraftInput(positions=batch.seq_lens.to(torch.int64), kv_indptr=ints[2 * bs :],
                                  kv_indices=torch.cat(parts), score_ranges=[self._score_range(step) for step in steps])
@@ -125,7 +135,7 @@ class TokenSwiftWorker(TreeSpecWorker):
                                req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
-    def _partial_forward(self, batch, steps: list[StepRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _partial_forward(self, batch, steps: list[StepRequest]) -> torch.Tensor:
         """Root tokens through the target over their partial KV; the heads' raw top candidates.
 
         From a CUDA graph the results are still being computed when this returns.
@@ -137,16 +147,16 @@ class TokenSwiftWorker(TreeSpecWorker):
             self.draft_graphs.load(inputs)
             self.timer.section("draft_plan")
             self.timer.gpu_mark("draft_gpu")
-            values, ids = self.draft_graphs.launch(len(steps))
+            (candidates,) = self.draft_graphs.launch(len(steps))
             self.timer.gpu_mark("draft_gpu")
         else:
-            values, ids = self._forward_batch(batch, inputs)
+            (candidates,) = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
             steps[b].state.method_state.policy.select(scores[None, None].cpu())
         self.timer.section("draft_forward")
-        return values, ids
+        return candidates
 
-    def _forward_batch(self, batch, inputs: SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_batch(self, batch, inputs: SimpleNamespace) -> tuple[torch.Tensor]:
         """The draft forward through a ``ForwardBatch``: first captures, scoring steps, no graphs."""
         names = ("forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu", "seq_lens_sum")
         saved = tuple(getattr(batch, k) for k in names)
@@ -166,7 +176,7 @@ class TokenSwiftWorker(TreeSpecWorker):
 
     @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:
-        values, ids = self._partial_forward(batch, steps)
+        candidates = self._partial_forward(batch, steps)
         # In the draft forward's shadow: everything that does not need its candidates.
         windows = []
         for step in steps:
@@ -177,7 +187,8 @@ class TokenSwiftWorker(TreeSpecWorker):
             windows.append(set(window_tokens(step.history, [], sampling.penalty_window)) if active else None)
         self.prepare_verify_static(batch, steps)
         self.timer.section("draft_shadow")
-        values, ids = values.cpu(), ids.cpu()
+        candidates = candidates.cpu()
+        values, ids = candidates[0], candidates[1].long()
         self.timer.section("draft_wait")
         width = max(self.ts.tree)
         trees = []

@@ -21,6 +21,10 @@ NAME = "longgen_torch"
 
 
 class LonggenTorchBackend(TorchNativeAttnBackend):
+    def reads_tree_blocks(self) -> bool:
+        """TARGET_VERIFY reads ``spec_info.tree_mask``: workers need not build SGLang's FULL mask."""
+        return True
+
     def _attend(self, q: torch.Tensor, layer, slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``q`` [T, Hq, D] against the KV at ``slots`` (``mask`` [T, len(slots)] or None)."""
         kc = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots]

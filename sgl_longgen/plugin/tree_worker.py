@@ -50,9 +50,6 @@ from .step_timer import DETAIL_PARAM, StepTimer
 
 logger = logging.getLogger(__name__)
 
-# Attention backends that read TreeVerifyInput.tree_mask and need no FULL custom mask.
-TREE_MASK_BACKENDS = {"longgen_torch"}
-
 
 @dataclass
 class StepRequest:
@@ -114,8 +111,7 @@ class TreeSpecWorker(BaseSpecWorker):
         self.step_count = 0
         self.seed = int(server_args.random_seed or 0)
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        backend = server_args.decode_attention_backend or server_args.attention_backend
-        self.needs_full_mask = backend not in TREE_MASK_BACKENDS
+        self.needs_full_mask: bool | None = None  # decided at the first verify: the backend exists by then
         self.set_penalty_defaults(PenaltyDefaults())
         self.timer = StepTimer(self.device)
         self.host_profile = HostProfile.from_env()
@@ -167,6 +163,11 @@ class TreeSpecWorker(BaseSpecWorker):
         A method whose draft runs asynchronously calls this while the draft forward is on the
         GPU, so the work is off the step's critical path; otherwise :meth:`_decode` calls it.
         """
+        if self.needs_full_mask is None:
+            # Backends that verify from TreeVerifyInput.tree_mask alone (ours) say so; for the
+            # others each step builds SGLang's FULL custom mask ([N, seq_len + N] per request).
+            reads_tree_blocks = getattr(self.model_runner.attn_backend, "reads_tree_blocks", None)
+            self.needs_full_mask = not (callable(reads_tree_blocks) and reads_tree_blocks())
         self._static = verify_static(batch, steps, self.num_nodes, self.needs_full_mask)
         return self._static
 
