@@ -271,6 +271,7 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
         rows.append(row)
         if profile_path is not None and L == max(long_prompts):
             spec.generate(input_ids=prompt, sampling_params=greedy(args.host_profile, custom_params={PROFILE_PARAM: True}))
+            spec.generate(input_ids=prompts[0], sampling_params=greedy(4))  # an unprofiled step writes the profile
     spec.shutdown()
     if profile_path is not None and profile_path.exists():
         result["host_profile"] = host_profile_summary(profile_path)

@@ -13,6 +13,9 @@ Detail modes give each section of a step its own ``longgen_<section>_ms`` series
   (``longgen_draft_gpu_ms``: the draft forward's replay; ``longgen_verify_gpu_ms``: from the
   verify call to the end of its device work).
 
+Both modes also report ``longgen_between_steps_ms``: the time since the worker's previous step
+returned, i.e. what SGLang's scheduler does between two steps.
+
 Detail mode is on for the whole server with ``SGLANG_LONGGEN_STEP_DETAIL=1`` (or ``=host``), or
 for the steps of requests whose ``custom_params`` hold ``{"longgen_step_detail": true}`` (or
 ``"host"``).
@@ -50,6 +53,7 @@ class StepTimer:
         self.values: dict[str, float] = {}
         self._phase_start = self._last = 0.0
         self._events: dict[str, list] = {}
+        self._finished_at: float | None = None
 
     def _sync(self) -> None:
         if self.cuda:
@@ -60,7 +64,10 @@ class StepTimer:
         self.detail = self.default_detail or detail_mode(detail)
         self.values = {}
         self._events = {}
-        self._phase_start = self._last = time.perf_counter()
+        self._phase_start = self._last = now = time.perf_counter()
+        if self.detail and self._finished_at is not None:
+            # Since our previous step returned: SGLang's scheduler (and any other batch it ran).
+            self.values["longgen_between_steps_ms"] = round((now - self._finished_at) * 1e3, 3)
 
     def section(self, name: str) -> None:
         """End the detailed section ``name`` (recorded only in detail mode)."""
@@ -95,4 +102,5 @@ class StepTimer:
                 events[1].synchronize()
                 self.values[f"longgen_{name}_ms"] = round(events[0].elapsed_time(events[1]), 3)
         self._events = {}
+        self._finished_at = time.perf_counter()
         return self.values

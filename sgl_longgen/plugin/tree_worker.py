@@ -138,10 +138,15 @@ class TreeSpecWorker(BaseSpecWorker):
         self.states.pop(rid, None)
 
     def forward_batch_generation(self, batch, on_publish=None, **kwargs) -> GenerationBatchResult:
+        profile = self.host_profile
         if batch.forward_mode.is_decode():
-            if self.host_profile is not None and self.host_profile.wants(batch.reqs):
-                return self.host_profile.run(self._decode, batch, on_publish)
+            if profile is not None and profile.wants(batch.reqs):
+                return profile.run(self._decode, batch, on_publish)
+            if profile is not None:
+                profile.stop()
             return self._decode(batch, on_publish)
+        if profile is not None:
+            profile.stop()
         return self._extend(batch, on_publish)
 
     # -- the method's part ----------------------------------------------------------------------

@@ -29,9 +29,33 @@ def test_profiles_asked_steps_and_dumps_stats(monkeypatch, tmp_path):
     def _decode(x):
         return sum(i * x for i in range(1000))
 
-    assert prof.run(_decode, 3) == _decode(3)
+    want = _decode(3)
+    assert prof.run(_decode, 3) == want
     assert not path.exists()  # first dump after DUMP_EVERY steps
     prof.run(_decode, 4)
     stats = pstats.Stats(str(path)).stats
     assert [v[1] for k, v in stats.items() if k[2] == "_decode"] == [2]
     assert (tmp_path / "steps.prof.steps").read_text().strip() == "2"
+
+
+def test_profile_spans_the_gap_to_the_next_step_and_stops_on_demand(monkeypatch, tmp_path):
+    path = tmp_path / "steps.prof"
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    prof = HostProfile.from_env()
+
+    def _decode(x):
+        return x
+
+    def between_steps():  # what the scheduler does before our next step
+        return sum(range(1000))
+
+    prof.run(_decode, 1)
+    between_steps()
+    prof.run(_decode, 2)
+    assert not path.exists()
+    prof.stop()  # e.g. a batch without profiled requests
+    between_steps()  # no longer profiled
+    stats = pstats.Stats(str(path)).stats
+    assert [v[1] for k, v in stats.items() if k[2] == "between_steps"] == [1]
+    assert (tmp_path / "steps.prof.steps").read_text().strip() == "2"
+    prof.stop()  # idempotent
