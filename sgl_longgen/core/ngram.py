@@ -18,16 +18,21 @@ import heapq
 from collections.abc import Sequence
 
 
+# An extend() with more n-grams than this (a prompt) ranks each touched first token once at the end.
+_BULK = 512
+
+
 class NgramPool:
     def __init__(self, n: int = 4, top_k: int = 20):
         if n < 2:
             raise ValueError("n-grams need n >= 2")
         self.n = n
         self.top_k = top_k
-        # first token -> {continuation: [count, last start position]}
-        self._table: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        # first token -> {continuation: (count, last start position)}. Tuples, not lists: the
+        # garbage collector stops tracking tuples of ints, so a 100K-token pool costs it nothing.
+        self._table: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}
         # first token -> its best continuations (at most top_k), best first
-        self._best: dict[int, list[tuple[int, ...]]] = {}
+        self._best: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._next_start = 0  # first n-gram start position not indexed yet
 
     def __len__(self) -> int:
@@ -43,26 +48,35 @@ class NgramPool:
         end = len(tokens) if limit is None else min(limit, len(tokens))
         n = self.n
         start = self._next_start
-        if end - n + 1 <= start:
+        count = end - n + 1 - start
+        if count <= 0:
             return
         # One slice, then plain list access: the history may be a view whose items are costly.
         window = [int(t) for t in tokens[start:end]]
         table, best_of, k = self._table, self._best, self.top_k
-        for i in range(len(window) - n + 1):
+        bulk = count > _BULK
+        touched = set()
+        for i in range(count):
             first = window[i]
             conts = table.get(first)
             if conts is None:
                 conts = table[first] = {}
-                best_of[first] = []
+                best_of[first] = ()
             cont = tuple(window[i + 1 : i + n])
             entry = conts.get(cont)
-            if entry is None:
-                entry = conts[cont] = [1, start + i]
+            entry = conts[cont] = (1, start + i) if entry is None else (entry[0] + 1, start + i)
+            if k <= 0:
+                continue
+            if bulk:
+                touched.add(first)
             else:
-                entry[0] += 1
-                entry[1] = start + i
-            if k > 0:
-                _promote(best_of[first], cont, entry, conts, k)
+                best_of[first] = _promote(best_of[first], cont, entry, conts, k)
+        for first in touched:
+            conts = table[first]
+            if len(conts) == 1:
+                best_of[first] = tuple(conts)
+            else:
+                best_of[first] = tuple(heapq.nlargest(k, conts, key=conts.__getitem__))
         self._next_start = end - n + 1
 
     def lookup(self, first: int, k: int | None = None) -> list[tuple[int, ...]]:
@@ -72,30 +86,23 @@ class NgramPool:
         if not conts or k <= 0:
             return []
         if k <= self.top_k:
-            return self._best[int(first)][:k]
-        best = heapq.nlargest(k, conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))
-        return [c for c, _ in best]
+            return list(self._best[int(first)][:k])
+        return heapq.nlargest(k, conts, key=conts.__getitem__)
 
 
-def _promote(best: list[tuple[int, ...]], cont: tuple[int, ...], entry: list[int],
-             conts: dict[tuple[int, ...], list[int]], k: int) -> None:
-    """``cont``'s key just grew to ``entry``: move it to its place in ``best`` (insertion step)."""
+def _promote(best: tuple[tuple[int, ...], ...], cont: tuple[int, ...], entry: tuple[int, int],
+             conts: dict[tuple[int, ...], tuple[int, int]], k: int) -> tuple[tuple[int, ...], ...]:
+    """``best`` after ``cont``'s key grew to ``entry`` (one insertion step)."""
     if cont in best:
-        i = best.index(cont)
+        rest = [c for c in best if c != cont]
     elif len(best) < k:
-        best.append(cont)
-        i = len(best) - 1
+        rest = list(best)
+    elif entry <= conts[best[-1]]:
+        return best
     else:
-        last = conts[best[-1]]
-        if (entry[0], entry[1]) <= (last[0], last[1]):
-            return
-        best[-1] = cont
-        i = k - 1
-    key = (entry[0], entry[1])
-    while i > 0:
-        above = conts[best[i - 1]]
-        if (above[0], above[1]) >= key:
-            break
-        best[i] = best[i - 1]
+        rest = list(best[:-1])
+    i = len(rest)
+    while i > 0 and conts[rest[i - 1]] < entry:
         i -= 1
-    best[i] = cont
+    rest.insert(i, cont)
+    return tuple(rest)

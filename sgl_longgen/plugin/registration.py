@@ -6,7 +6,7 @@
   so a bad draft directory stops startup with a message naming the file, and that defaults
   ``speculative_num_draft_tokens / num_steps / eagle_topk`` from the draft's own settings;
 * the ``longgen_torch`` attention backend (and ``longgen`` when the kernels are importable),
-  which our algorithms get where SGLang would choose FlashInfer;
+  which TOKENSWIFT gets where SGLang would choose FlashInfer;
 * on CPU only, PyTorch stand-ins for the ``sgl_kernel`` CPU ops.
 """
 
@@ -144,15 +144,20 @@ def _skip_draft_config_lookup(speculative_algorithm, speculative_draft_model_pat
     return (speculative_algorithm, speculative_draft_model_path, *args), kwargs
 
 
+# Algorithms whose SGLang runs have been checked on a GPU with the ``longgen`` backend. OWL and
+# HOWL verify with [SPEC] input embeddings (eager verify batches) and keep SGLang's choice.
+HYBRID_VERIFY_DEFAULT = ("TOKENSWIFT",)
+
+
 def _prefer_longgen_backend(result, server_args, *args, **kwargs):
-    """Where SGLang picks FlashInfer for one of our algorithms, pick its hybrid-verify subclass.
+    """Where SGLang picks FlashInfer for TOKENSWIFT, pick its hybrid-verify subclass.
 
     ``longgen`` is FlashInfer for prefill and decode; its TARGET_VERIFY runs the long prefix
     through FlashInfer and the draft tree through a Triton kernel, about half the verify time of
     FlashInfer's custom-mask prefill at 98K context. An explicit ``--attention-backend`` is
     never overridden.
     """
-    if result != "flashinfer" or (server_args.speculative_algorithm or "").upper() not in ALGORITHMS:
+    if result != "flashinfer" or (server_args.speculative_algorithm or "").upper() not in HYBRID_VERIFY_DEFAULT:
         return None
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 

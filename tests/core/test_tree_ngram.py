@@ -100,9 +100,15 @@ def test_ngram_pool_kept_best_list_matches_a_full_ranking():
     for end in range(0, len(seq) + 1, 7):
         pool.extend(seq, limit=end)
         for first, conts in pool._table.items():
-            want = [c for c, _ in heapq.nlargest(4, conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))]
+            want = [c for c, _ in heapq.nlargest(4, conts.items(), key=lambda kv: kv[1])]
             assert pool.lookup(first) == want
             assert pool.lookup(first, k=2) == want[:2]
     assert pool.lookup(0, k=10) == [c for c, _ in heapq.nlargest(
         10, pool._table[0].items(), key=lambda kv: (kv[1][0], kv[1][1]))]
     assert NgramPool(n=3, top_k=0).lookup(0) == []
+    bulk = NgramPool(n=3, top_k=4)  # a prompt-sized extend ranks each first token once
+    bulk.extend(seq[:1000])
+    bulk.extend(seq[:1010])
+    bulk.extend(seq)
+    for first, conts in bulk._table.items():
+        assert bulk.lookup(first) == [c for c, _ in heapq.nlargest(4, conts.items(), key=lambda kv: kv[1])]
