@@ -81,7 +81,8 @@ def verify_static(batch, steps: list[StepRequest], n: int, full_mask: bool) -> V
     dev = batch.seq_lens.device
     table = batch.req_to_token_pool.req_to_token
     windows = [table[s.req.req_pool_idx, s.seq_len : s.seq_len + n] for s in steps]
-    out_cache_loc = (windows[0] if len(windows) == 1 else torch.cat(windows)).to(torch.int64)
+    # A copy, never a view of the table: the commit permutes the table's window entries.
+    out_cache_loc = windows[0].to(torch.int64, copy=True) if len(windows) == 1 else torch.cat(windows).to(torch.int64)
     custom_mask, offsets = None, []
     if full_mask:
         total = 0
