@@ -276,6 +276,18 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
             meta = out["meta_info"]
             keys = sorted(k for k in meta if k.startswith("longgen_") and k.endswith("_ms"))
             row[f"detail_{mode}_ms"] = {k[len("longgen_"):-len("_ms")]: round(mean(k), 3) for k in keys}
+            if mode == "host" and "longgen_draft_gpu_ms" in meta and "longgen_verify_gpu_ms" in meta:
+                # Wall time of a step (our three phases and SGLang's scheduler between steps) and
+                # what of it is not covered by the two forwards' GPU spans.
+                wall = mean("longgen_draft_ms") + mean("longgen_verify_ms") + mean("longgen_overhead_ms")
+                wall += mean("longgen_between_steps_ms")
+                row["host_step_wall_ms"] = round(wall, 3)
+                row["host_outside_forwards_ms"] = round(
+                    wall - mean("longgen_draft_gpu_ms") - mean("longgen_verify_gpu_ms"), 3)
+                if "longgen_draft_queued_ahead" in meta:
+                    row["draft_queued_ahead_share"] = round(mean("longgen_draft_queued_ahead"), 3)
+                print(f"[{tag}] {L}: step wall {wall:.2f} ms, {row['host_outside_forwards_ms']:.2f} ms of it"
+                      " outside the two forwards' GPU spans", flush=True)
             print(f"[{tag}] {L}: step sections (ms, {mode} mode): {row[f'detail_{mode}_ms']}", flush=True)
         rows.append(row)
         if profile_path is not None and L == max(long_prompts):

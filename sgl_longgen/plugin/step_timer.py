@@ -14,7 +14,10 @@ Detail modes give each section of a step its own ``longgen_<section>_ms`` series
   verify call to the end of its device work).
 
 Both modes also report ``longgen_between_steps_ms``: the time since the worker's previous step
-returned, i.e. what SGLang's scheduler does between two steps.
+returned, i.e. what SGLang's scheduler does between two steps. TOKENSWIFT queues a step's
+draft forward at the end of the step before (``longgen_draft_queued_ahead``: 1.0 when the step
+used such a draft): its ``draft_inputs`` / ``draft_plan`` / ``draft_forward`` sections are then
+in the series of the step that queued it, and its GPU span in the step that used it.
 
 Detail mode is on for the whole server with ``SGLANG_LONGGEN_STEP_DETAIL=1`` (or ``=host``), or
 for the steps of requests whose ``custom_params`` hold ``{"longgen_step_detail": true}`` (or
@@ -94,6 +97,16 @@ class StepTimer:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self._events.setdefault(name, []).append(event)
+
+    def note(self, name: str, value: float) -> None:
+        """A per-step value besides the timings (``longgen_<name>``), recorded in detail modes."""
+        if self.detail:
+            self.values[f"longgen_{name}"] = value
+
+    def adopt_gpu_span(self, name: str, events: list) -> None:
+        """The GPU span ``name`` of this step from events recorded earlier (work queued ahead)."""
+        if self.detail == "host" and self.cuda:
+            self._events[name] = list(events)
 
     def finish(self) -> dict[str, float]:
         """The step's values, with its GPU spans (call after the step's last synchronisation)."""

@@ -14,7 +14,7 @@ root's query.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -34,6 +34,38 @@ from .draft_graph import DraftGraphRunner
 from .requests import PenaltyDefaults
 from .spec_inputs import PartialDraftInput
 from .tree_worker import StepRequest, TreeSpecWorker
+
+
+@dataclass
+class DraftAhead:
+    """A draft forward queued at the end of a step for the next one (see :meth:`TreeSpecWorker.draft_ahead`)."""
+
+    key: tuple  # (rid, req_pool_idx, seq_len) per request: the next step must match it exactly
+    candidates: torch.Tensor
+    done: torch.cuda.Event | None  # recorded on the draft's stream after it (GPU)
+    gpu_span: list | None  # the forward's CUDA events (host detail mode)
+
+
+def batch_key(steps) -> tuple:
+    return tuple((s.req.rid, s.req.req_pool_idx, s.seq_len) for s in steps)
+
+
+def likely_finishes(req, tokens: list[int]) -> bool:
+    """The scheduler will finish ``req`` on these tokens (length or a stop token id).
+
+    A draft queued for a finished request is only wasted device time, so this need not be
+    complete (stop strings are not checked).
+    """
+    if len(req.output_ids) + len(tokens) >= req.sampling_params.max_new_tokens:
+        return True
+    if req.sampling_params.ignore_eos:
+        return False
+    stops = set(req.eos_token_ids or ()) | set(req.sampling_params.stop_token_ids or ())
+    tokenizer = getattr(req, "tokenizer", None)
+    if tokenizer is not None:
+        stops.add(tokenizer.eos_token_id)
+        stops.update(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+    return any(t in stops for t in tokens)
 
 
 @dataclass
@@ -66,6 +98,8 @@ class TokenSwiftWorker(TreeSpecWorker):
         if self.vocab_size >= 1 << 24:
             raise ValueError(f"TOKENSWIFT supports vocabularies below 2**24 tokens, got {self.vocab_size}")
         self.draft_graphs = DraftGraphRunner(self.model_runner, self.capture, self._candidates)
+        self._ahead: DraftAhead | None = None
+        self._ahead_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -121,24 +155,26 @@ class TokenSwiftWorker(TreeSpecWorker):
             root_slots.append(row[step.seq_len : step.seq_len + 1])  # the first slot of its verify window
             parts.append(root_slots[-1])
             lens.append(n)
-        host = self.staging("draft", 3 * bs + 1, torch.int32)
+        host = self.staging("draft", 4 * bs + 1, torch.int32)
         packed = host.numpy()
         packed[:bs] = [s.root for s in steps]
         packed[bs : 2 * bs] = lens
-        packed[2 * bs :] = list(itertools.accumulate(lens, initial=0))
+        packed[2 * bs : 3 * bs] = [s.seq_len for s in steps]
+        packed[3 * bs :] = list(itertools.accumulate(lens, initial=0))
         kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
         ints = host.to(dev, non_blocking=True, copy=True)
-        spec = PartialDraftInput(positions=batch.seq_lens.to(torch.int64), kv_indptr=ints[2 * bs :],
+        spec = PartialDraftInput(positions=ints[2 * bs : 3 * bs], kv_indptr=ints[3 * bs :],
                                  kv_indices=torch.cat(parts), score_ranges=[self._score_range(step) for step in steps])
         return SimpleNamespace(input_ids=ints[:bs], positions=spec.positions,
                                out_cache_loc=root_slots[0] if bs == 1 else torch.cat(root_slots),
                                req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
-    def _partial_forward(self, batch, steps: list[StepRequest]) -> torch.Tensor:
+    def _partial_forward(self, batch, steps: list[StepRequest], start: torch.cuda.Event | None = None) -> torch.Tensor:
         """Root tokens through the target over their partial KV; the heads' raw top candidates.
 
-        From a CUDA graph the results are still being computed when this returns.
+        From a CUDA graph the results are still being computed when this returns. ``start``,
+        when given, is recorded where the forward's device work begins.
         """
         inputs = self._draft_inputs(batch, steps)
         spec = inputs.spec_info
@@ -146,10 +182,16 @@ class TokenSwiftWorker(TreeSpecWorker):
         if self.draft_graphs.ready(len(steps)) and not spec.wants_scores:
             self.draft_graphs.load(inputs)
             self.timer.section("draft_plan")
-            self.timer.gpu_mark("draft_gpu")
+            if start is not None:
+                start.record()
+            else:
+                self.timer.gpu_mark("draft_gpu")
             (candidates,) = self.draft_graphs.launch(len(steps))
-            self.timer.gpu_mark("draft_gpu")
+            if start is None:
+                self.timer.gpu_mark("draft_gpu")
         else:
+            if start is not None:
+                start.record()
             (candidates,) = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
             steps[b].state.method_state.policy.select(scores[None, None].cpu())
@@ -175,8 +217,77 @@ class TokenSwiftWorker(TreeSpecWorker):
                 setattr(batch, k, v)
 
     @torch.no_grad()
+    def draft_ahead(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
+        """Queue the next step's draft forward now; :meth:`draft` uses it if the batch is unchanged.
+
+        The draft only depends on the committed KV, the root and the partial-KV selection, all
+        final here, so it equals the draft the next step would compute. On a GPU it runs on a
+        stream of its own: SGLang's scheduler reads this step's results (a device-to-host copy
+        on the main stream) while the draft computes, instead of waiting for it. Every forward
+        waits for it on the device first (:meth:`forward_batch_generation`): nothing else
+        touches the KV or the graph buffers it uses meanwhile.
+
+        Not when a request's next draft re-scores the partial KV (an eager forward with
+        hooks), when a request is about to finish, or on a GPU without a ready draft graph.
+        """
+        self._drop_ahead()
+        nxt = []
+        for step, verdict in zip(steps, verdicts):
+            if likely_finishes(step.req, verdict.tokens):
+                return
+            nxt.append(replace(step, seq_len=step.seq_len + len(verdict.tokens)))
+        if any(self._score_range(step) is not None for step in nxt):
+            return
+        if self._ahead_stream is None:  # CPU: the same draft, computed now
+            self._ahead = DraftAhead(batch_key(nxt), self._partial_forward(batch, nxt), None, None)
+            return
+        if not self.draft_graphs.ready(len(nxt)):
+            return
+        span = self.timer.detail == "host"
+        start = torch.cuda.Event(enable_timing=True) if span else None
+        done = torch.cuda.Event(enable_timing=span)
+        stream = self._ahead_stream
+        stream.wait_stream(torch.cuda.current_stream())  # the committed KV and table entries
+        batch.req_pool_indices.record_stream(stream)  # SGLang may replace it before we are done
+        with torch.cuda.stream(stream):
+            candidates = self._partial_forward(batch, nxt, start)
+            done.record()
+        self._ahead = DraftAhead(batch_key(nxt), candidates, done, [start, done] if span else None)
+
+    def forward_batch_generation(self, batch, on_publish=None, **kwargs):
+        ahead = self._ahead
+        if ahead is not None and ahead.done is not None:
+            torch.cuda.current_stream().wait_event(ahead.done)
+        return super().forward_batch_generation(batch, on_publish, **kwargs)
+
+    def clear_cache_pool(self):
+        self._drop_ahead()
+        super().clear_cache_pool()
+
+    def _drop_ahead(self) -> None:
+        """Forget a queued draft once its copies have read their (reused) staging buffers."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.done is not None:
+            ahead.done.synchronize()
+
+    def _take_ahead(self, steps: list[StepRequest]) -> DraftAhead | None:
+        ahead = self._ahead
+        if ahead is not None and ahead.key == batch_key(steps):
+            self._ahead = None
+            return ahead
+        self._drop_ahead()  # the batch changed
+        return None
+
+    @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest]) -> list[DraftTree]:
-        candidates = self._partial_forward(batch, steps)
+        ahead = self._take_ahead(steps)
+        self.timer.note("draft_queued_ahead", float(ahead is not None))
+        if ahead is not None:
+            candidates = ahead.candidates
+            if ahead.gpu_span is not None:
+                self.timer.adopt_gpu_span("draft_gpu", ahead.gpu_span)
+        else:
+            candidates = self._partial_forward(batch, steps)
         # In the draft forward's shadow: everything that does not need its candidates.
         windows = []
         for step in steps:

@@ -69,10 +69,9 @@ class StepRequest:
 
 @dataclass
 class VerifyStatic:
-    """Verify inputs known before the tries: slots, position base, the custom mask's prefix."""
+    """Verify inputs known before the tries: slots and the custom mask's prefix."""
 
     out_cache_loc: torch.Tensor  # [bs * N] int64: each request's verify window
-    position_base: torch.Tensor  # [bs, 1] int64: each request's committed length
     custom_mask: torch.Tensor | None  # flat FULL-layout mask, all True until the tries go in
     mask_offsets: list[int]  # where each request's [N, seq_len + N] block starts
 
@@ -90,7 +89,7 @@ def verify_static(batch, steps: list[StepRequest], n: int, full_mask: bool) -> V
             offsets.append(total)
             total += n * (s.seq_len + n)
         custom_mask = torch.ones(total, dtype=torch.bool, device=dev)
-    return VerifyStatic(out_cache_loc, batch.seq_lens.to(torch.int64)[:, None], custom_mask, offsets)
+    return VerifyStatic(out_cache_loc, custom_mask, offsets)
 
 
 class TreeSpecWorker(BaseSpecWorker):
@@ -196,7 +195,18 @@ class TreeSpecWorker(BaseSpecWorker):
         """Read what the verify forward produced besides logits (hidden states)."""
 
     def after_commit(self, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
-        """Update method state with the committed tokens (``step.history`` already extended)."""
+        """Update method state with the committed tokens (``step.history`` already extended).
+
+        Runs before the step's results are handed to SGLang: the committed KV is in place.
+        """
+
+    def draft_ahead(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
+        """Start the next step's draft now, if the method can (after :meth:`after_commit`).
+
+        The device is idle between this step's draw and the next step's draft, while SGLang's
+        scheduler processes the results: a draft queued here runs in that gap. ``steps`` still
+        carry this step's ``seq_len``; add the verdict's length for the next step's.
+        """
 
     # -- machinery ------------------------------------------------------------------------------
 
@@ -284,18 +294,22 @@ class TreeSpecWorker(BaseSpecWorker):
         verdicts = [walk_tree(tree, lambda node, d=d: d[node]) for tree, d in zip(trees, draws)]
         timer.section("draw")
         self._commit_accepted_kv(batch, steps, verdicts)
+        for step, verdict in zip(steps, verdicts):
+            step.history = step.history.extended(verdict.tokens)
+        self.after_commit(steps, verdicts)
         timer.section("commit_kv")
+        self.draft_ahead(batch, steps, verdicts)
+        timer.section("draft_ahead")
 
         # The committed tokens and their counts travel to the device in one copy.
         host = self.staging("result", bs * n + bs, torch.int32)
         packed = host.numpy()
         packed[: bs * n] = 0
         accepted = []
-        for b, (step, verdict) in enumerate(zip(steps, verdicts)):
+        for b, verdict in enumerate(verdicts):
             packed[b * n : b * n + len(verdict.tokens)] = verdict.tokens
             packed[bs * n + b] = len(verdict.tokens)
             accepted.append(len(verdict.tokens))
-            step.history = step.history.extended(verdict.tokens)
         on_device = host.to(self.device, non_blocking=True, copy=True)
         next_token_ids, accept_lens = on_device[: bs * n], on_device[bs * n :]
         new_seq_lens = seq_lens + accept_lens
@@ -303,10 +317,8 @@ class TreeSpecWorker(BaseSpecWorker):
             self._logprobs(batch, logits_output, trees, draws, verdicts)
         if on_publish is not None:
             on_publish(new_seq_lens)
-        timer.section("result")
-        self.after_commit(steps, verdicts)
         batch.forward_mode = ForwardMode.DECODE
-        timer.section("after_commit")
+        timer.section("result")
         timer.phase("overhead")
 
         record_step_times(reqs, accepted, timer.finish())
@@ -324,13 +336,14 @@ class TreeSpecWorker(BaseSpecWorker):
         """Pad each trie to ``num_nodes``: padding nodes hang off the root and are never walked."""
         n, dev = self.num_nodes, self.device
         bs = len(trees)
-        mask_host = self.staging("verify_mask", bs * n * n, torch.bool)
-        masks = mask_host.numpy().reshape(bs, n, n)
+        # Tokens and positions (int64), then the masks (bool), in one page-locked copy.
+        mask_at = 2 * bs * n * 8
+        host = self.staging("verify", mask_at + bs * n * n, torch.uint8)
+        ints_host = host[:mask_at].numpy().view(np.int64)
+        tokens = ints_host[: bs * n].reshape(bs, n)
+        positions = ints_host[bs * n :].reshape(bs, n)
+        masks = host[mask_at:].numpy().view(np.bool_).reshape(bs, n, n)
         masks[:] = False
-        host = self.staging("verify", 2 * bs * n, torch.int64)
-        tokens = host.numpy()[: bs * n].reshape(bs, n)
-        depths = host.numpy()[bs * n :].reshape(bs, n)
-        depths[:] = 1
         pad = np.arange(n)
         for b, (step, tree) in enumerate(zip(steps, trees)):
             t = len(tree)
@@ -341,10 +354,13 @@ class TreeSpecWorker(BaseSpecWorker):
             masks[b, t:, 0] = True
             tokens[b, :t] = tree.tokens
             tokens[b, t:] = step.root
-            depths[b, :t] = tree.depths
-        ints = host.to(dev, non_blocking=True, copy=True)
-        tree_mask = mask_host.to(dev, non_blocking=True, copy=True).view(bs, n, n)
-        positions = (static.position_base + ints[bs * n :].view(bs, n)).flatten()
+            positions[b, :t] = tree.depths
+            positions[b, t:] = 1
+            positions[b] += step.seq_len
+        on_device = host.to(dev, non_blocking=True, copy=True)
+        ints = on_device[:mask_at].view(torch.int64)
+        tree_mask = on_device[mask_at:].view(torch.bool).view(bs, n, n)
+        positions = ints[bs * n :]
         if static.custom_mask is not None:
             for b, (step, offset) in enumerate(zip(steps, static.mask_offsets)):
                 width = step.seq_len + n
@@ -412,8 +428,11 @@ class TreeSpecWorker(BaseSpecWorker):
         if not moved:
             return
         table = batch.req_to_token_pool.req_to_token
-        order = torch.from_numpy(np.stack([window_order(verdicts[b].nodes, n) for b in moved]))
-        order = order.to(table.device, non_blocking=True)
+        host = self.staging("order", len(moved) * n, torch.int64)
+        orders = host.numpy().reshape(len(moved), n)
+        for row, b in enumerate(moved):
+            orders[row] = window_order(verdicts[b].nodes, n)
+        order = host.to(table.device, non_blocking=True, copy=True).view(len(moved), n)
         for row, b in enumerate(moved):
             start = steps[b].seq_len
             window = table[steps[b].req.req_pool_idx, start : start + n]  # a view: no copy

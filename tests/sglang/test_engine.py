@@ -72,3 +72,17 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_gets_sglangs_error(plain_
             outcomes.append(("error", "context" in str(exc).lower() or "length" in str(exc).lower()))
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][0] == "error" or outcomes[0][1]["type"] == "abort"
+
+
+def test_drafts_queued_ahead_serve_most_steps(plain_engine, spec_engine):
+    """Each step's draft forward is queued at the end of the step before; the next step uses it."""
+    params = greedy(NEW_TOKENS, custom_params={"longgen_step_detail": "host"})
+    want = plain_engine.generate(input_ids=PROMPTS[:1], sampling_params=greedy(NEW_TOKENS))
+    got = spec_engine.generate(input_ids=PROMPTS[:1], sampling_params=params)
+    assert got[0]["output_ids"] == want[0]["output_ids"]
+    meta = got[0]["meta_info"]
+    ahead = [x for x in meta["longgen_draft_queued_ahead"] if x is not None]
+    assert len(ahead) == meta["spec_verify_ct"]
+    # The first decode step scores the prompt (no draft ahead of it), as do re-selections.
+    assert ahead[0] == 0.0 and sum(ahead) >= 0.75 * len(ahead)
+    assert meta["spec_accept_length"] > 1.5  # a stale draft would propose the wrong continuations
