@@ -284,6 +284,9 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                 row["host_step_wall_ms"] = round(wall, 3)
                 row["host_outside_forwards_ms"] = round(
                     wall - mean("longgen_draft_gpu_ms") - mean("longgen_verify_gpu_ms"), 3)
+                accept = meta.get("spec_accept_length")
+                if accept:  # per token from the step wall: free of per-request setup noise
+                    row["host_ms_per_token"] = round(wall / accept, 3)
                 if "longgen_draft_queued_ahead" in meta:
                     row["draft_queued_ahead_share"] = round(mean("longgen_draft_queued_ahead"), 3)
                 print(f"[{tag}] {L}: step wall {wall:.2f} ms, {row['host_outside_forwards_ms']:.2f} ms of it"

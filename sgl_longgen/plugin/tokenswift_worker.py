@@ -170,11 +170,10 @@ class TokenSwiftWorker(TreeSpecWorker):
                                req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
-    def _partial_forward(self, batch, steps: list[StepRequest], start: torch.cuda.Event | None = None) -> torch.Tensor:
+    def _partial_forward(self, batch, steps: list[StepRequest]) -> torch.Tensor:
         """Root tokens through the target over their partial KV; the heads' raw top candidates.
 
-        From a CUDA graph the results are still being computed when this returns. ``start``,
-        when given, is recorded where the forward's device work begins.
+        From a CUDA graph the results are still being computed when this returns.
         """
         inputs = self._draft_inputs(batch, steps)
         spec = inputs.spec_info
@@ -182,16 +181,10 @@ class TokenSwiftWorker(TreeSpecWorker):
         if self.draft_graphs.ready(len(steps)) and not spec.wants_scores:
             self.draft_graphs.load(inputs)
             self.timer.section("draft_plan")
-            if start is not None:
-                start.record()
-            else:
-                self.timer.gpu_mark("draft_gpu")
+            self.timer.gpu_mark("draft_gpu")
             (candidates,) = self.draft_graphs.launch(len(steps))
-            if start is None:
-                self.timer.gpu_mark("draft_gpu")
+            self.timer.gpu_mark("draft_gpu")
         else:
-            if start is not None:
-                start.record()
             (candidates,) = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
             steps[b].state.method_state.policy.select(scores[None, None].cpu())
@@ -221,11 +214,11 @@ class TokenSwiftWorker(TreeSpecWorker):
         """Queue the next step's draft forward now; :meth:`draft` uses it if the batch is unchanged.
 
         The draft only depends on the committed KV, the root and the partial-KV selection, all
-        final here, so it equals the draft the next step would compute. On a GPU it runs on a
-        stream of its own: SGLang's scheduler reads this step's results (a device-to-host copy
-        on the main stream) while the draft computes, instead of waiting for it. Every forward
-        waits for it on the device first (:meth:`forward_batch_generation`): nothing else
-        touches the KV or the graph buffers it uses meanwhile.
+        final here, so it equals the draft the next step would compute. On a GPU its graph
+        replays on a stream of its own: SGLang's scheduler reads this step's results (a
+        device-to-host copy on the main stream) while the draft computes, instead of waiting
+        for it. Every forward waits for it on the device first (:meth:`forward_batch_generation`):
+        nothing else writes the KV or the graph buffers it uses meanwhile.
 
         Not when a request's next draft re-scores the partial KV (an eager forward with
         hooks), when a request is about to finish, or on a GPU without a ready draft graph.
@@ -243,15 +236,24 @@ class TokenSwiftWorker(TreeSpecWorker):
             return
         if not self.draft_graphs.ready(len(nxt)):
             return
+        # Inputs gathered and loaded on the main stream, ordered before anything SGLang does to
+        # the request table next (a finished request's row can be reassigned); only the
+        # replay runs on the draft's stream.
+        inputs = self._draft_inputs(batch, nxt)
+        self.timer.section("draft_inputs")
+        self.draft_graphs.load(inputs)
+        self.timer.section("draft_plan")
         span = self.timer.detail == "host"
         start = torch.cuda.Event(enable_timing=True) if span else None
         done = torch.cuda.Event(enable_timing=span)
         stream = self._ahead_stream
-        stream.wait_stream(torch.cuda.current_stream())  # the committed KV and table entries
-        batch.req_pool_indices.record_stream(stream)  # SGLang may replace it before we are done
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            candidates = self._partial_forward(batch, nxt, start)
+            if start is not None:
+                start.record()
+            (candidates,) = self.draft_graphs.launch(len(nxt))
             done.record()
+        self.timer.section("draft_forward")
         self._ahead = DraftAhead(batch_key(nxt), candidates, done, [start, done] if span else None)
 
     def forward_batch_generation(self, batch, on_publish=None, **kwargs):
