@@ -170,26 +170,49 @@ class TokenSwiftWorker(TreeSpecWorker):
                                req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
-    def _partial_forward(self, batch, steps: list[StepRequest]) -> torch.Tensor:
+    def _partial_forward(self, batch, steps: list[StepRequest], stream: torch.cuda.Stream | None = None
+                         ) -> tuple[torch.Tensor, torch.cuda.Event | None, list | None]:
         """Root tokens through the target over their partial KV; the heads' raw top candidates.
 
-        From a CUDA graph the results are still being computed when this returns.
+        From a CUDA graph the results are still being computed when this returns; with
+        ``stream`` the graph replays there (see :meth:`_replay`). Also returns an event recorded
+        after the candidates and the forward's GPU span (host detail mode), for graph replays.
         """
         inputs = self._draft_inputs(batch, steps)
         spec = inputs.spec_info
         self.timer.section("draft_inputs")
+        done = span = None
         if self.draft_graphs.ready(len(steps)) and not spec.wants_scores:
             self.draft_graphs.load(inputs)
             self.timer.section("draft_plan")
-            self.timer.gpu_mark("draft_gpu")
-            (candidates,) = self.draft_graphs.launch(len(steps))
-            self.timer.gpu_mark("draft_gpu")
+            candidates, done, span = self._replay(len(steps), stream)
         else:
             (candidates,) = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
             steps[b].state.method_state.policy.select(scores[None, None].cpu())
         self.timer.section("draft_forward")
-        return candidates
+        return candidates, done, span
+
+    def _replay(self, batch_size: int, stream: torch.cuda.Stream | None):
+        """Launch the draft graph (loaded) on ``stream``, after the current stream's work so far.
+
+        Inputs are gathered and loaded on the current stream, ordered before anything SGLang
+        does to the request table next (a finished request's row can be reassigned); only the
+        replay moves.
+        """
+        timing = self.timer.detail == "host"
+        main = torch.cuda.current_stream()
+        if stream is not None:
+            stream.wait_stream(main)
+        start = torch.cuda.Event(enable_timing=True) if timing else None
+        done = torch.cuda.Event(enable_timing=timing) if timing or stream is not None else None
+        with torch.cuda.stream(stream or main):
+            if start is not None:
+                start.record()
+            (candidates,) = self.draft_graphs.launch(batch_size)
+            if done is not None:
+                done.record()
+        return candidates, done, [start, done] if timing else None
 
     def _forward_batch(self, batch, inputs: SimpleNamespace) -> tuple[torch.Tensor]:
         """The draft forward through a ``ForwardBatch``: first captures, scoring steps, no graphs."""
@@ -231,30 +254,9 @@ class TokenSwiftWorker(TreeSpecWorker):
             nxt.append(replace(step, seq_len=step.seq_len + len(verdict.tokens)))
         if any(self._score_range(step) is not None for step in nxt):
             return
-        if self._ahead_stream is None:  # CPU: the same draft, computed now
-            self._ahead = DraftAhead(batch_key(nxt), self._partial_forward(batch, nxt), None, None)
-            return
-        if not self.draft_graphs.ready(len(nxt)):
-            return
-        # Inputs gathered and loaded on the main stream, ordered before anything SGLang does to
-        # the request table next (a finished request's row can be reassigned); only the
-        # replay runs on the draft's stream.
-        inputs = self._draft_inputs(batch, nxt)
-        self.timer.section("draft_inputs")
-        self.draft_graphs.load(inputs)
-        self.timer.section("draft_plan")
-        span = self.timer.detail == "host"
-        start = torch.cuda.Event(enable_timing=True) if span else None
-        done = torch.cuda.Event(enable_timing=span)
-        stream = self._ahead_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            if start is not None:
-                start.record()
-            (candidates,) = self.draft_graphs.launch(len(nxt))
-            done.record()
-        self.timer.section("draft_forward")
-        self._ahead = DraftAhead(batch_key(nxt), candidates, done, [start, done] if span else None)
+        if self._ahead_stream is not None and not self.draft_graphs.ready(len(nxt)):
+            return  # an eager forward gains nothing from running early on a GPU
+        self._ahead = DraftAhead(batch_key(nxt), *self._partial_forward(batch, nxt, self._ahead_stream))
 
     def forward_batch_generation(self, batch, on_publish=None, **kwargs):
         ahead = self._ahead
@@ -285,11 +287,11 @@ class TokenSwiftWorker(TreeSpecWorker):
         ahead = self._take_ahead(steps)
         self.timer.note("draft_queued_ahead", float(ahead is not None))
         if ahead is not None:
-            candidates = ahead.candidates
-            if ahead.gpu_span is not None:
-                self.timer.adopt_gpu_span("draft_gpu", ahead.gpu_span)
+            candidates, span = ahead.candidates, ahead.gpu_span
         else:
-            candidates = self._partial_forward(batch, steps)
+            candidates, _, span = self._partial_forward(batch, steps)
+        if span is not None:
+            self.timer.adopt_gpu_span("draft_gpu", span)
         # In the draft forward's shadow: everything that does not need its candidates.
         windows = []
         for step in steps:

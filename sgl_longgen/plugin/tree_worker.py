@@ -180,7 +180,8 @@ class TreeSpecWorker(BaseSpecWorker):
         """A reused page-locked host buffer for one host-to-device copy per step and purpose.
 
         Reuse is safe because each step synchronises with the device (the draw reads the
-        verify's logits) after its copies were queued and before the next step refills them.
+        verify's logits) after its copies were queued and before the next step refills them;
+        copies queued after the draw (a draft queued ahead) are waited for before a refill.
         """
         buf = self._staging.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype:
