@@ -107,3 +107,35 @@ class PartialKVPolicy:
         ranges, keep = self.visible_parts()
         parts = [torch.arange(lo, hi, dtype=torch.long).expand(self.groups, -1) for lo, hi in ranges]
         return torch.cat([*parts, keep], dim=1).sort(dim=1).values
+
+
+def steady_visible_slots(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    sel_lens: torch.Tensor,
+    selected: torch.Tensor,
+    sinks: int,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """KV slots a draft root attends to, computed on the device: ``[bs, budget + 1]``.
+
+    For requests in the steady state of :class:`PartialKVPolicy` (no re-selection due, a full
+    selection of ``capacity`` positions, ``sel_len >= sinks``), the visible set is always
+    ``budget`` positions: the sinks, the ``n_new = length - sel_len`` positions committed since
+    the selection, and the ``capacity - n_new`` best selected ones. Built from tensors only
+    (``table[rows[b]]`` maps request b's positions to slots; ``lengths`` and ``sel_lens`` per
+    request; ``selected``: ``[bs, capacity]`` slots of the ranked selection; ``offsets``:
+    ``arange(budget)``), so an engine can queue it behind the verify step that decides
+    ``lengths`` without reading them back. The last column is the root's own slot
+    (``table[rows, lengths]``). Same set as :meth:`PartialKVPolicy.visible_parts`, another order.
+    """
+    capacity = selected.shape[1]
+    j = offsets[None, :]
+    n_new = (lengths - sel_lens)[:, None]
+    position = torch.where(j < sinks, j, sel_lens[:, None] + (j - sinks)).clamp_(max=table.shape[1] - 1)
+    from_table = table[rows[:, None], position]
+    from_selection = selected.gather(1, (j - sinks - n_new).clamp(0, capacity - 1))
+    slots = torch.where(j < sinks + n_new, from_table, from_selection)
+    root = table[rows, lengths]
+    return torch.cat([slots, root[:, None].to(slots.dtype)], dim=1)

@@ -57,6 +57,40 @@ def walk_tree(tree: DraftTree, draw: Callable[[int], int]) -> Verdict:
         node = nxt
 
 
+@dataclass
+class TreeWalks:
+    """:func:`walk_tree` of a batch of padded tries, as tensors (see :func:`walk_trees`)."""
+
+    count: torch.Tensor  # [bs] committed tokens: the root's and accepted nodes' draws
+    last: torch.Tensor  # [bs] the bonus token (the next root)
+    order: torch.Tensor  # [bs, N] accepted nodes by depth, then the others ascending
+
+
+def walk_trees(draws: torch.Tensor, parents: torch.Tensor, walk_tokens: torch.Tensor,
+               ancestors: torch.Tensor) -> TreeWalks:
+    """The per-node walk of every request at once, on the tensors' device, without a host sync.
+
+    ``draws[b, i]``: the token drawn at node i; ``parents[b, i]``: node i's parent (any valid
+    index for the root); ``walk_tokens[b, i]``: node i's token where a walk may enter it, else
+    -1 (the root, padding, leaves); ``ancestors[b, i, j]``: j is an ancestor of i or i itself.
+    A node is on the walked path iff every node on its root path holds the token drawn at its
+    parent: the same path :func:`walk_tree` finds (children of a trie node hold distinct
+    tokens, so one node per depth qualifies). An engine can commit the path and start the next
+    draft from these before the host has read a single draw.
+    """
+    n = draws.shape[1]
+    entered = draws.gather(1, parents.clamp(min=0)) == walk_tokens
+    entered[:, 0] = True
+    on_path = ~(ancestors & ~entered[:, None, :]).any(dim=-1)
+    index = torch.arange(n, device=draws.device)
+    key = torch.where(on_path, index, index + n)  # path nodes first: parents precede children
+    order = key.argsort(dim=1)
+    count = on_path.sum(dim=1)
+    deepest = order.gather(1, (count - 1)[:, None])
+    last = draws.gather(1, deepest).squeeze(1)
+    return TreeWalks(count, last, order)
+
+
 def node_windows(tree: DraftTree, nodes: Sequence[int], history: Sequence[int], window: int) -> list[list[int]]:
     """Penalty windows of the given nodes: the last ``window`` tokens of history + node path."""
     return [window_tokens(history, tree.path_tokens(n), window) for n in nodes]

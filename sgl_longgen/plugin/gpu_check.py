@@ -287,8 +287,9 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                 accept = meta.get("spec_accept_length")
                 if accept:  # per token from the step wall: free of per-request setup noise
                     row["host_ms_per_token"] = round(wall / accept, 3)
-                if "longgen_draft_queued_ahead" in meta:
-                    row["draft_queued_ahead_share"] = round(mean("longgen_draft_queued_ahead"), 3)
+                for share in ("draft_queued_ahead", "draft_chained"):
+                    if f"longgen_{share}" in meta:
+                        row[f"{share}_share"] = round(mean(f"longgen_{share}"), 3)
                 print(f"[{tag}] {L}: step wall {wall:.2f} ms, {row['host_outside_forwards_ms']:.2f} ms of it"
                       " outside the two forwards' GPU spans", flush=True)
             print(f"[{tag}] {L}: step sections (ms, {mode} mode): {row[f'detail_{mode}_ms']}", flush=True)

@@ -18,6 +18,8 @@ returned, i.e. what SGLang's scheduler does between two steps. TOKENSWIFT queues
 draft forward at the end of the step before (``longgen_draft_queued_ahead``: 1.0 when the step
 used such a draft): its ``draft_inputs`` / ``draft_plan`` / ``draft_forward`` sections are then
 in the series of the step that queued it, and its GPU span in the step that used it.
+``longgen_draft_chained`` (1.0) marks a step that queued the next draft on the device right
+behind its commit, before reading its draws back.
 
 Detail mode is on for the whole server with ``SGLANG_LONGGEN_STEP_DETAIL=1`` (or ``=host``), or
 for the steps of requests whose ``custom_params`` hold ``{"longgen_step_detail": true}`` (or

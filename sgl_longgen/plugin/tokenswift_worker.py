@@ -8,7 +8,10 @@ and their top-k replay as one CUDA graph (:mod:`.draft_graph`); the host reads b
 candidates per head. While that graph runs, the host does what does not need its result:
 indexing the n-grams committed last step and queuing the verify's fixed inputs. Whenever the newest
 tokens would reach the sinks, that same draft forward re-scores the committed positions with the
-root's query.
+root's query. Between re-selections every draft attends to exactly ``budget`` positions, so the
+next draft's inputs follow from the verify's walk on the device and the draft is queued right
+behind the commit (:meth:`TokenSwiftWorker.chain_draft`); otherwise the host queues it once it
+has walked the trees (:meth:`TokenSwiftWorker.draft_ahead`).
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from ..config import PartialKVConfig
 from ..core.heads import load_heads
 from ..core.ngram import NgramPool
-from ..core.partial_kv import PartialKVPolicy
+from ..core.partial_kv import PartialKVPolicy, steady_visible_slots
 from ..core.penalty import window_tokens
 from ..core.tokenswift import candidate_count, draft_trie, head_candidates, rank_candidates
 from ..core.tree import DraftTree
-from ..core.verify import Verdict
+from ..core.verify import TreeWalks, Verdict
 from .capture import ImportanceScorer, PreNormCapture
 from .draft_dir import inspect_heads_draft_dir
 from .draft_graph import DraftGraphRunner
@@ -99,6 +102,8 @@ class TokenSwiftWorker(TreeSpecWorker):
             raise ValueError(f"TOKENSWIFT supports vocabularies below 2**24 tokens, got {self.vocab_size}")
         self.draft_graphs = DraftGraphRunner(self.model_runner, self.capture, self._candidates)
         self._ahead: DraftAhead | None = None
+        self._chained: tuple | None = None  # a draft queued by chain_draft, for draft_ahead
+        self._steady_fixed: dict[int, tuple] = {}  # batch size -> steady draft's constant inputs
         self._ahead_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- state ------------------------------------------------------------------------------------
@@ -170,15 +175,19 @@ class TokenSwiftWorker(TreeSpecWorker):
                                req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
-    def _partial_forward(self, batch, steps: list[StepRequest], stream: torch.cuda.Stream | None = None
+    def _partial_forward(self, batch, steps: list[StepRequest], stream: torch.cuda.Stream | None = None,
+                         inputs: SimpleNamespace | None = None
                          ) -> tuple[torch.Tensor, torch.cuda.Event | None, list | None]:
         """Root tokens through the target over their partial KV; the heads' raw top candidates.
 
         From a CUDA graph the results are still being computed when this returns; with
         ``stream`` the graph replays there (see :meth:`_replay`). Also returns an event recorded
         after the candidates and the forward's GPU span (host detail mode), for graph replays.
+        ``inputs``: built on the device already (:meth:`_steady_inputs`), else from the host's
+        view of ``steps``.
         """
-        inputs = self._draft_inputs(batch, steps)
+        if inputs is None:
+            inputs = self._draft_inputs(batch, steps)
         spec = inputs.spec_info
         self.timer.section("draft_inputs")
         done = span = None
@@ -232,6 +241,73 @@ class TokenSwiftWorker(TreeSpecWorker):
             for k, v in zip(names, saved):
                 setattr(batch, k, v)
 
+    def _steady(self, steps: list[StepRequest], trees: list[DraftTree]) -> bool:
+        """Every request's next draft attends to exactly ``budget`` positions, whatever this step commits.
+
+        That is: no re-selection due now or after committing the tree's deepest path, a full
+        selection, and no finish by length within those tokens. Then the next draft's inputs
+        follow from the walk on the device (:meth:`_steady_inputs`).
+        """
+        if self._ahead_stream is not None and not self.draft_graphs.ready(len(steps)):
+            return False
+        for step, tree in zip(steps, trees):
+            n = tree.max_depth + 1  # the most tokens this step can commit
+            policy = step.state.method_state.policy
+            if (policy.pending is not None or policy.selected.shape[1] < policy.capacity
+                    or policy.sel_len < policy.sinks or step.seq_len + n - policy.sel_len > policy.capacity
+                    or len(step.req.output_ids) + n >= step.req.sampling_params.max_new_tokens):
+                return False
+        return True
+
+    def _steady_inputs(self, batch, steps: list[StepRequest], walks: TreeWalks) -> SimpleNamespace:
+        """The next draft's inputs (see :meth:`_draft_inputs`) from the walk, on the device."""
+        dev, bs = self.device, len(steps)
+        table = batch.req_to_token_pool.req_to_token
+        policy0 = steps[0].state.method_state.policy
+        sinks, kv_len = policy0.sinks, policy0.budget + 1
+        selected = []
+        for step in steps:
+            state: TokenSwiftState = step.state.method_state
+            if state.selected is None or state.selected[0] is not state.policy.selected:
+                row = table[step.req.req_pool_idx]
+                state.selected = (state.policy.selected, row[state.policy.selected[0].to(dev)])
+            selected.append(state.selected[1][: state.policy.capacity])
+        host = self.staging("chain", bs, torch.int64)
+        host.numpy()[:] = [s.state.method_state.policy.sel_len for s in steps]
+        sel_lens = host.to(dev, non_blocking=True, copy=True)
+        fixed = self._steady_fixed.get(bs)
+        if fixed is None or fixed[0].device != dev or fixed[2].numel() != kv_len - 1:
+            indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * kv_len
+            fixed = (indptr, torch.full((bs,), kv_len, dtype=torch.int32, device=dev),
+                     torch.arange(kv_len - 1, device=dev))
+            self._steady_fixed[bs] = fixed
+        indptr, kv_lens, offsets = fixed
+        lengths = batch.seq_lens + walks.count
+        slots = steady_visible_slots(table, batch.req_pool_indices, lengths, sel_lens,
+                                     selected[0][None] if bs == 1 else torch.stack(selected), sinks, offsets)
+        spec = PartialDraftInput(positions=lengths, kv_indptr=indptr, kv_indices=slots.flatten(),
+                                 score_ranges=[None] * bs)
+        return SimpleNamespace(input_ids=walks.last, positions=lengths, out_cache_loc=slots[:, -1],
+                               req_pool_indices=batch.req_pool_indices, seq_lens=kv_lens,
+                               seq_lens_cpu=torch.full((bs,), kv_len, dtype=torch.int32),
+                               seq_lens_sum=bs * kv_len, spec_info=spec)
+
+    @torch.no_grad()
+    def chain_draft(self, batch, steps: list[StepRequest], trees: list[DraftTree], walks: TreeWalks) -> None:
+        """In the steady state, queue the next draft right behind the commit on the device.
+
+        The host is free while the verify forward runs, so the draft's inputs are queued then,
+        from the walk's device results; the GPU goes from the verify to the draft without
+        waiting for the host to read the draws, walk and commit. :meth:`draft_ahead` keeps it
+        for the next step.
+        """
+        self._chained = None
+        steady = self._steady(steps, trees)
+        self.timer.note("draft_chained", float(steady))
+        if steady:
+            inputs = self._steady_inputs(batch, steps, walks)
+            self._chained = self._partial_forward(batch, steps, self._ahead_stream, inputs)
+
     @torch.no_grad()
     def draft_ahead(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
         """Queue the next step's draft forward now; :meth:`draft` uses it if the batch is unchanged.
@@ -244,14 +320,17 @@ class TokenSwiftWorker(TreeSpecWorker):
         nothing else writes the KV or the graph buffers it uses meanwhile.
 
         Not when a request's next draft re-scores the partial KV (an eager forward with
-        hooks), when a request is about to finish, or on a GPU without a ready draft graph.
+        hooks), when a request is about to finish, or on a GPU without a ready draft graph. A
+        draft :meth:`chain_draft` already queued is kept as it is.
         """
         self._drop_ahead()
-        nxt = []
-        for step, verdict in zip(steps, verdicts):
-            if likely_finishes(step.req, verdict.tokens):
-                return
-            nxt.append(replace(step, seq_len=step.seq_len + len(verdict.tokens)))
+        chained, self._chained = self._chained, None
+        nxt = [replace(step, seq_len=step.seq_len + len(verdict.tokens)) for step, verdict in zip(steps, verdicts)]
+        if chained is not None:
+            self._ahead = DraftAhead(batch_key(nxt), *chained)
+            return
+        if any(likely_finishes(step.req, verdict.tokens) for step, verdict in zip(steps, verdicts)):
+            return
         if any(self._score_range(step) is not None for step in nxt):
             return
         if self._ahead_stream is not None and not self.draft_graphs.ready(len(nxt)):
@@ -265,6 +344,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         return super().forward_batch_generation(batch, on_publish, **kwargs)
 
     def clear_cache_pool(self):
+        self._chained = None
         self._drop_ahead()
         super().clear_cache_pool()
 

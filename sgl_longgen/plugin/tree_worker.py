@@ -12,6 +12,12 @@ does the rest the way SGLang's own NGRAM worker does it, with our lossless verif
    request's ``req_to_token`` entries) and report the committed tokens (``accept_lens`` includes
    the bonus token) so SGLang's scheduler advances the request.
 
+Draws, walk and commit are queued on the device behind the verify forward
+(:func:`sgl_longgen.core.verify.walk_trees`), so a method can queue the next step's draft
+behind them too (:meth:`TreeSpecWorker.chain_draft`) before the host has read anything back; the
+host then repeats the walk on the draws it reads (:func:`walk_tree`) for its own bookkeeping and
+checks that both walks agree.
+
 Requests using features whose effect cannot be extended along a draft path (SGLang's
 count-based penalties, grammars, foreign logit processors) get an empty tree: one exact token
 per step, drawn from SGLang's own processing of the root.
@@ -34,7 +40,7 @@ from ..config import SamplingConfig
 from ..core.penalty import tree_window_mask
 from ..core.sampling import LogitsProcessor
 from ..core.tree import DraftTree
-from ..core.verify import Verdict, walk_tree
+from ..core.verify import TreeWalks, Verdict, walk_tree, walk_trees
 from .penalty_processor import ContextualPenaltyProcessor
 from .requests import (
     PenaltyDefaults,
@@ -74,6 +80,14 @@ class VerifyStatic:
     out_cache_loc: torch.Tensor  # [bs * N] int64: each request's verify window
     custom_mask: torch.Tensor | None  # flat FULL-layout mask, all True until the tries go in
     mask_offsets: list[int]  # where each request's [N, seq_len + N] block starts
+
+
+@dataclass
+class WalkInputs:
+    """Per-node tree structure for :func:`walk_trees`, on the device (``[bs, N]`` int64)."""
+
+    parents: torch.Tensor
+    tokens: torch.Tensor  # a node's token where a walk may enter it, else -1
 
 
 def verify_static(batch, steps: list[StepRequest], n: int, full_mask: bool) -> VerifyStatic:
@@ -117,6 +131,7 @@ class TreeSpecWorker(BaseSpecWorker):
         self.host_profile = HostProfile.from_env()
         self._staging: dict[str, torch.Tensor] = {}
         self._static: VerifyStatic | None = None
+        self._window_offsets: torch.Tensor | None = None
 
     def set_penalty_defaults(self, defaults: PenaltyDefaults) -> None:
         self.penalty_defaults = defaults
@@ -201,6 +216,15 @@ class TreeSpecWorker(BaseSpecWorker):
         Runs before the step's results are handed to SGLang: the committed KV is in place.
         """
 
+    def chain_draft(self, batch, steps: list[StepRequest], trees: list[DraftTree], walks: TreeWalks) -> None:
+        """Queue the next step's draft behind this step's commit, if the method can without the host.
+
+        Runs right after the verify forward was queued, with the walk's results still on the
+        device (``walks.count``: committed tokens, ``walks.last``: the next roots): the draft
+        then follows the commit on the device with no round trip through the host. The method
+        takes such a draft up in :meth:`draft_ahead`.
+        """
+
     def draft_ahead(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
         """Start the next step's draft now, if the method can (after :meth:`after_commit`).
 
@@ -276,7 +300,7 @@ class TreeSpecWorker(BaseSpecWorker):
         timer.phase("draft")
 
         static = self._static if self._static is not None else self.prepare_verify_static(batch, steps)
-        spec = self._verify_input(steps, trees, static)
+        spec, walk = self._verify_input(steps, trees, static)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = spec.draft_token
         batch.out_cache_loc = static.out_cache_loc
@@ -289,12 +313,25 @@ class TreeSpecWorker(BaseSpecWorker):
         logits_output = res.logits_output
         self.after_verify_forward(steps, spec, logits_output)
         timer.section("verify_forward")
-        timer.phase("verify", sync=True)  # the step breakdown times GPU work, not its launch
 
+        # Queued behind the verify forward: one draw per node, the walk, the commit, their
+        # read-back, and maybe the next draft; the host waits only for the read-back.
         draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
-        verdicts = [walk_tree(tree, lambda node, d=d: d[node]) for tree, d in zip(trees, draws)]
-        timer.section("draw")
-        self._commit_accepted_kv(batch, steps, verdicts)
+        walks = walk_trees(draws, walk.parents, walk.tokens, spec.tree_mask)
+        readback = self._read_back(draws, walks.count)
+        self._commit_paths(batch, seq_lens, walks)
+        self.chain_draft(batch, steps, trees, walks)
+        timer.section("accept_queue")
+        drawn, counts = readback()
+        timer.phase("verify")  # ends when the verify forward's draws are on the host
+
+        verdicts = []
+        for b, (tree, count) in enumerate(zip(trees, counts)):
+            verdict = walk_tree(tree, drawn[b].__getitem__)
+            if len(verdict.nodes) != count:
+                raise RuntimeError(f"device walk committed {count} tokens, host walk {len(verdict.nodes)}")
+            verdicts.append(verdict)
+        timer.section("walk")
         for step, verdict in zip(steps, verdicts):
             step.history = step.history.extended(verdict.tokens)
         self.after_commit(steps, verdicts)
@@ -315,7 +352,7 @@ class TreeSpecWorker(BaseSpecWorker):
         next_token_ids, accept_lens = on_device[: bs * n], on_device[bs * n :]
         new_seq_lens = seq_lens + accept_lens
         if batch.return_logprob:
-            self._logprobs(batch, logits_output, trees, draws, verdicts)
+            self._logprobs(batch, logits_output, trees, drawn, verdicts)
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
@@ -333,18 +370,21 @@ class TreeSpecWorker(BaseSpecWorker):
             can_run_cuda_graph=res.can_run_cuda_graph,
         )
 
-    def _verify_input(self, steps: list[StepRequest], trees: list[DraftTree], static: VerifyStatic) -> TreeVerifyInput:
+    def _verify_input(self, steps: list[StepRequest], trees: list[DraftTree],
+                      static: VerifyStatic) -> tuple[TreeVerifyInput, WalkInputs]:
         """Pad each trie to ``num_nodes``: padding nodes hang off the root and are never walked."""
         n, dev = self.num_nodes, self.device
         bs = len(trees)
-        # Tokens and positions (int64), then the masks (bool), in one page-locked copy.
-        mask_at = 2 * bs * n * 8
+        # Tokens, positions, parents and walk tokens (int64), then the masks (bool), in one
+        # page-locked copy.
+        mask_at = 4 * bs * n * 8
         host = self.staging("verify", mask_at + bs * n * n, torch.uint8)
-        ints_host = host[:mask_at].numpy().view(np.int64)
-        tokens = ints_host[: bs * n].reshape(bs, n)
-        positions = ints_host[bs * n :].reshape(bs, n)
+        ints_host = host[:mask_at].numpy().view(np.int64).reshape(4, bs, n)
+        tokens, positions, parents, walk_tokens = ints_host
         masks = host[mask_at:].numpy().view(np.bool_).reshape(bs, n, n)
         masks[:] = False
+        parents[:] = 0
+        walk_tokens[:] = -1
         pad = np.arange(n)
         for b, (step, tree) in enumerate(zip(steps, trees)):
             t = len(tree)
@@ -358,23 +398,30 @@ class TreeSpecWorker(BaseSpecWorker):
             positions[b, :t] = tree.depths
             positions[b, t:] = 1
             positions[b] += step.seq_len
+            parents[b, 1:t] = tree.parents[1:]
+            walk_tokens[b, 1 : tree.num_walkable] = tree.tokens[1 : tree.num_walkable]
         on_device = host.to(dev, non_blocking=True, copy=True)
-        ints = on_device[:mask_at].view(torch.int64)
+        ints = on_device[:mask_at].view(torch.int64).view(4, bs, n)
         tree_mask = on_device[mask_at:].view(torch.bool).view(bs, n, n)
-        positions = ints[bs * n :]
         if static.custom_mask is not None:
             for b, (step, offset) in enumerate(zip(steps, static.mask_offsets)):
                 width = step.seq_len + n
                 static.custom_mask[offset : offset + n * width].view(n, width)[:, step.seq_len :].copy_(tree_mask[b])
-        return TreeVerifyInput(
-            draft_token=ints[: bs * n], positions=positions, tree_mask=tree_mask, custom_mask=static.custom_mask,
-            draft_token_num=n, capture_hidden_mode=self.capture_hidden_mode,
+        spec = TreeVerifyInput(
+            draft_token=ints[0].flatten(), positions=ints[1].flatten(), tree_mask=tree_mask,
+            custom_mask=static.custom_mask, draft_token_num=n, capture_hidden_mode=self.capture_hidden_mode,
         )
+        return spec, WalkInputs(ints[2], ints[3])
 
-    def _draw(self, batch, steps: list[StepRequest], trees: list[DraftTree], logits: torch.Tensor) -> list[list[int]]:
-        """One token per node, each from that node's exact target distribution."""
+    def _draw(self, batch, steps: list[StepRequest], trees: list[DraftTree], logits: torch.Tensor) -> torch.Tensor:
+        """One token per node, each from that node's exact target distribution: ``[bs, N]``.
+
+        Queued on the device without a host sync; nodes a walk never draws at (padding,
+        leaves) hold any value.
+        """
         n, vocab = self.num_nodes, self.vocab_size
-        logits = logits[:, :vocab].view(len(steps), n, vocab)
+        bs = len(steps)
+        logits = logits[:, :vocab].view(bs, n, vocab)
         sampling_info = batch.sampling_info
         root_sglang = None
         if any(s.blocker is not None for s in steps):
@@ -386,24 +433,23 @@ class TreeSpecWorker(BaseSpecWorker):
             if sampling_info.has_custom_logit_processor:
                 apply_custom_logit_processor(root_sglang, sampling_info)
         # Requests whose distribution depends only on their own logits (greedy, no penalty, no
-        # bias) share one draw of the processor: one host sync for all of them.
+        # bias) share one draw of the processor.
         shared = [b for b, s in enumerate(steps) if s.blocker is None and s.sampling.greedy
                   and not s.sampling.penalty_active and sampling_info.logit_bias is None]
-        batched = {}
         if shared:
             proc = LogitsProcessor(steps[shared[0]].sampling, vocab)
-            rows = logits if len(shared) == len(steps) else logits[shared]
-            tokens = proc.sample(rows.flatten(0, 1)).view(len(shared), n).tolist()
-            batched = dict(zip(shared, tokens))
-        draws = []
+            if len(shared) == bs:
+                return proc.sample(logits.flatten(0, 1)).view(bs, n)
+        draws = torch.full((bs, n), -2, dtype=torch.int64, device=logits.device)  # no token, no walk token
+        if shared:
+            draws[shared] = proc.sample(logits[shared].flatten(0, 1)).view(len(shared), n)
         for b, (step, tree) in enumerate(zip(steps, trees)):
-            if b in batched:
-                draws.append(batched[b][: tree.num_walkable])
+            if b in shared:
                 continue
             if step.blocker is not None:
                 # Any penalty is already in SGLang's processing of the root.
                 proc = LogitsProcessor(msgspec.structs.replace(step.sampling, penalty=1.0), vocab)
-                draws.append(proc.sample(root_sglang[b : b + 1], None, step.state.generator).tolist())
+                draws[b, :1] = proc.sample(root_sglang[b : b + 1], None, step.state.generator)
                 continue
             rows = logits[b, : tree.num_walkable]  # leaves (e.g. [SPEC]) are never drawn from
             if sampling_info.logit_bias is not None:
@@ -413,53 +459,60 @@ class TreeSpecWorker(BaseSpecWorker):
             if step.sampling.penalty_active:
                 paths = [tree.path_tokens(i) for i in range(tree.num_walkable)]
                 mask = tree_window_mask(step.history, paths, step.sampling.penalty_window, vocab, rows.device)
-            draws.append(proc.sample(rows, mask, step.state.generator).tolist())
+            draws[b, : tree.num_walkable] = proc.sample(rows, mask, step.state.generator)
         return draws
 
-    def _commit_accepted_kv(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
-        """Put the accepted nodes' KV at the front of each verify window (the root stays in place).
+    def _read_back(self, draws: torch.Tensor, counts: torch.Tensor):
+        """Queue the draws and the device walk's counts to the host; returns the wait for them.
+
+        One page-locked copy and an event: the host then waits for the verify forward and the
+        draws only, not for anything queued after them (a chained draft).
+        """
+        bs, n = draws.shape
+        host = self.staging("readback", bs * n + bs, torch.int64)
+        host[: bs * n].view(bs, n).copy_(draws, non_blocking=True)
+        host[bs * n :].copy_(counts, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+
+        def wait() -> tuple[np.ndarray, list[int]]:
+            if event is not None:
+                event.synchronize()
+            values = host.numpy()
+            return values[: bs * n].reshape(bs, n), values[bs * n :].tolist()
+
+        return wait
+
+    def _commit_paths(self, batch, seq_lens: torch.Tensor, walks: TreeWalks) -> None:
+        """Put each walked path's KV at the front of its verify window (the root stays in place).
 
         With one token per page (required at startup) the slots of a window are only named by the
         request's ``req_to_token`` row: SGLang frees and reuses over-allocated slots through it.
-        Permuting the row's window entries commits the path without touching the KV: a few index
-        ops instead of a gather and scatter per layer.
+        Permuting the row's window entries (``walks.order``) commits the path without touching
+        the KV: a few index ops instead of a gather and scatter per layer.
         """
-        n = self.num_nodes
-        moved = [b for b, v in enumerate(verdicts) if any(node != i for i, node in enumerate(v.nodes))]
-        if not moved:
-            return
         table = batch.req_to_token_pool.req_to_token
-        host = self.staging("order", len(moved) * n, torch.int64)
-        orders = host.numpy().reshape(len(moved), n)
-        for row, b in enumerate(moved):
-            orders[row] = window_order(verdicts[b].nodes, n)
-        order = host.to(table.device, non_blocking=True, copy=True).view(len(moved), n)
-        for row, b in enumerate(moved):
-            start = steps[b].seq_len
-            window = table[steps[b].req.req_pool_idx, start : start + n]  # a view: no copy
-            window.copy_(window[order[row]])
+        n = walks.order.shape[1]
+        offsets = self._window_offsets
+        if offsets is None or offsets.numel() != n:
+            offsets = self._window_offsets = torch.arange(n, device=table.device)
+        rows = batch.req_pool_indices[:, None]
+        cols = seq_lens[:, None] + offsets
+        table[rows, cols] = table[rows, cols].gather(1, walks.order)
 
-    def _logprobs(self, batch, logits_output, trees, draws, verdicts) -> None:
+    def _logprobs(self, batch, logits_output, trees, drawn, verdicts) -> None:
         from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
 
         n = self.num_nodes
         predict = torch.zeros(len(trees) * n, dtype=torch.int64)
         accept_index = torch.full((len(trees), n), -1, dtype=torch.int64)
-        for b, (d, verdict) in enumerate(zip(draws, verdicts)):
-            predict[b * n : b * n + len(d)] = torch.tensor(d)
+        for b, (tree, verdict) in enumerate(zip(trees, verdicts)):
+            k = tree.num_walkable  # the nodes drawn at
+            predict[b * n : b * n + k] = torch.from_numpy(drawn[b, :k].copy())
             accept_index[b, : len(verdict.nodes)] = torch.tensor(verdict.nodes) + b * n
         compute_spec_v2_logprobs(batch, logits_output, predict.to(self.device), accept_index.to(self.device), n - 1)
-
-
-def window_order(nodes: list[int], n: int) -> np.ndarray:
-    """A permutation of a verify window's ``n`` slots that starts with the accepted ``nodes``."""
-    order = np.empty(n, dtype=np.int64)
-    k = len(nodes)
-    order[:k] = nodes
-    rest = np.ones(n, dtype=np.bool_)
-    rest[nodes] = False
-    order[k:] = np.flatnonzero(rest)
-    return order
 
 
 def record_step_times(reqs, accept_lens: list[int], values: dict[str, float]) -> None:

@@ -41,7 +41,8 @@ def engine_args(**extra) -> dict:
 
 
 def spec_args(**extra) -> dict:
-    return engine_args(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads_path()), **extra)
+    extra.setdefault("speculative_draft_model_path", str(heads_path()))
+    return engine_args(speculative_algorithm="TOKENSWIFT", **extra)
 
 
 PROMPTS = [

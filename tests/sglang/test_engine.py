@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from sgl_longgen.plugin.penalty_processor import ContextualPenaltyProcessor
 
-from sglang_harness import CONTEXT, PROMPTS, greedy
+from sglang_harness import CONTEXT, PROMPTS, greedy, heads_path, spec_args, stop
 
 NEW_TOKENS = 256
 PENALTY = {"penalty": 1.2, "penalty_window": 64}
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tmp_path_factory):
+    """TOKENSWIFT with a partial KV of 64 positions: these requests spend most steps in its
+    steady state (each draft's inputs built on the device behind the commit) and re-select
+    every few dozen tokens."""
+    import sglang as sgl
+
+    heads = tmp_path_factory.mktemp("heads") / "tokenswift-heads"
+    shutil.copytree(heads_path(), heads)
+    (heads / "longgen.toml").write_text("[tokenswift.partial_kv]\nbudget = 64\nsinks = 4\n")
+    engine = sgl.Engine(**spec_args(speculative_draft_model_path=str(heads)))
+    yield engine
+    stop(engine)
 
 
 def test_greedy_outputs_are_identical_for_concurrent_requests(plain_engine, spec_engine):
@@ -86,3 +103,6 @@ def test_drafts_queued_ahead_serve_most_steps(plain_engine, spec_engine):
     # The first decode step scores the prompt (no draft ahead of it), as do re-selections.
     assert ahead[0] == 0.0 and sum(ahead) >= 0.75 * len(ahead)
     assert meta["spec_accept_length"] > 1.5  # a stale draft would propose the wrong continuations
+    # Most were queued on the device right behind the commit, before the host read the draws.
+    chained = [x for x in meta["longgen_draft_chained"] if x is not None]
+    assert len(chained) == len(ahead) and sum(chained) >= 0.5 * len(chained)
