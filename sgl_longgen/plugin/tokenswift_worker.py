@@ -76,7 +76,7 @@ class TokenSwiftState:
     pool: NgramPool | None
     policy: PartialKVPolicy
     # The policy's current selection as KV slots on the device: (the policy's tensor, slots ranked
-    # like it). Selected positions lie before every later verify window, so their slots stay put.
+    # like it); see TokenSwiftWorker._selected_slots.
     selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -147,8 +147,8 @@ class TokenSwiftWorker(TreeSpecWorker):
             state: TokenSwiftState = step.state.method_state
             ranges, keep = state.policy.visible_parts()
             row = table[step.req.req_pool_idx]  # a view: slices of it copy nothing
-            if keep.shape[1] and (state.selected is None or state.selected[0] is not state.policy.selected):
-                state.selected = (state.policy.selected, row[state.policy.selected[0].to(dev)])
+            if keep.shape[1]:
+                self._selected_slots(state, row)
             n = 1
             for lo, hi in ranges:
                 if hi > lo:
@@ -175,6 +175,15 @@ class TokenSwiftWorker(TreeSpecWorker):
                                req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
 
+    def _selected_slots(self, state: TokenSwiftState, row: torch.Tensor) -> torch.Tensor:
+        """KV slots of the policy's current selection (ranked), computed once per selection.
+
+        Selected positions lie before every later verify window, so their slots never move.
+        """
+        if state.selected is None or state.selected[0] is not state.policy.selected:
+            state.selected = (state.policy.selected, row[state.policy.selected[0].to(self.device)])
+        return state.selected[1]
+
     def _partial_forward(self, batch, steps: list[StepRequest], stream: torch.cuda.Stream | None = None,
                          inputs: SimpleNamespace | None = None
                          ) -> tuple[torch.Tensor, torch.cuda.Event | None, list | None]:
@@ -198,7 +207,10 @@ class TokenSwiftWorker(TreeSpecWorker):
         else:
             (candidates,) = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
-            steps[b].state.method_state.policy.select(scores[None, None].cpu())
+            state = steps[b].state.method_state
+            state.policy.select(scores[None, None].cpu())
+            # The host just waited for the scores: the slots' copy to the device costs no sync now.
+            self._selected_slots(state, batch.req_to_token_pool.req_to_token[steps[b].req.req_pool_idx])
         self.timer.section("draft_forward")
         return candidates, done, span
 
@@ -268,10 +280,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         selected = []
         for step in steps:
             state: TokenSwiftState = step.state.method_state
-            if state.selected is None or state.selected[0] is not state.policy.selected:
-                row = table[step.req.req_pool_idx]
-                state.selected = (state.policy.selected, row[state.policy.selected[0].to(dev)])
-            selected.append(state.selected[1][: state.policy.capacity])
+            selected.append(self._selected_slots(state, table[step.req.req_pool_idx])[: state.policy.capacity])
         host = self.staging("chain", bs, torch.int64)
         host.numpy()[:] = [s.state.method_state.policy.sel_len for s in steps]
         sel_lens = host.to(dev, non_blocking=True, copy=True)
