@@ -284,6 +284,15 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                 row["host_step_wall_ms"] = round(wall, 3)
                 row["host_outside_forwards_ms"] = round(
                     wall - mean("longgen_draft_gpu_ms") - mean("longgen_verify_gpu_ms"), 3)
+                # The same per step: a host hiccup (a GC pause, a busy core) moves one step's
+                # figure a lot and the mean with it; the median shows the typical step.
+                parts = ("draft", "verify", "overhead", "between_steps", "draft_gpu", "verify_gpu")
+                series = [meta.get(f"longgen_{p}_ms", []) for p in parts]
+                per_step = [v for v in zip(*series) if all(x is not None for x in v)][1:]
+                if per_step:
+                    outside = [d + v + o + b - dg - vg for d, v, o, b, dg, vg in per_step]
+                    row["host_outside_forwards_median_ms"] = round(statistics.median(outside), 3)
+                    row["host_step_wall_median_ms"] = round(statistics.median(sum(x[:4]) for x in per_step), 3)
                 accept = meta.get("spec_accept_length")
                 if accept:  # per token from the step wall: free of per-request setup noise
                     row["host_ms_per_token"] = round(wall / accept, 3)
@@ -291,7 +300,8 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                     if f"longgen_{share}" in meta:
                         row[f"{share}_share"] = round(mean(f"longgen_{share}"), 3)
                 print(f"[{tag}] {L}: step wall {wall:.2f} ms, {row['host_outside_forwards_ms']:.2f} ms of it"
-                      " outside the two forwards' GPU spans", flush=True)
+                      " outside the two forwards' GPU spans (mean; median step:"
+                      f" {row.get('host_outside_forwards_median_ms', float('nan')):.2f})", flush=True)
             print(f"[{tag}] {L}: step sections (ms, {mode} mode): {row[f'detail_{mode}_ms']}", flush=True)
         rows.append(row)
         if profile_path is not None and L == max(long_prompts):
