@@ -194,9 +194,11 @@ class TreeSpecWorker(BaseSpecWorker):
     def staging(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused page-locked host buffer for one host-to-device copy per step and purpose.
 
-        Reuse is safe because each step synchronises with the device (the draw reads the
-        verify's logits) after its copies were queued and before the next step refills them;
-        copies queued after the draw (a draft queued ahead) are waited for before a refill.
+        Reuse is safe because the host waits for the main stream to pass a buffer's copy before
+        refilling it: each step waits for the read-back of its draws (queued after the verify
+        inputs' copies) and, in the next step, for the draft's candidates (queued after
+        anything the step before queued on the main stream, a chained draft's inputs included);
+        copies of a draft queued ahead on its own stream are waited for before a refill.
         """
         buf = self._staging.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype:
