@@ -73,10 +73,7 @@ class NgramPool:
                 best_of[first] = _promote(best_of[first], cont, entry, conts, k)
         for first in touched:
             conts = table[first]
-            if len(conts) == 1:
-                best_of[first] = tuple(conts)
-            else:
-                best_of[first] = tuple(heapq.nlargest(k, conts, key=conts.__getitem__))
+            best_of[first] = tuple(heapq.nlargest(k, conts, key=conts.__getitem__))
         self._next_start = end - n + 1
 
     def lookup(self, first: int, k: int | None = None) -> list[tuple[int, ...]]:

@@ -121,7 +121,7 @@ def steady_visible_slots(
     """KV slots a draft root attends to, computed on the device: ``[bs, budget + 1]``.
 
     For requests in the steady state of :class:`PartialKVPolicy` (no re-selection due, a full
-    selection of ``capacity`` positions, ``sel_len >= sinks``), the visible set is always
+    selection of ``capacity`` positions, so ``sel_len >= sinks + capacity``), the visible set is always
     ``budget`` positions: the sinks, the ``n_new = length - sel_len`` positions committed since
     the selection, and the ``capacity - n_new`` best selected ones. Built from tensors only
     (``table[rows[b]]`` maps request b's positions to slots; ``lengths`` and ``sel_lens`` per

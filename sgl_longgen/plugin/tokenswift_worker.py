@@ -147,15 +147,13 @@ class TokenSwiftWorker(TreeSpecWorker):
             state: TokenSwiftState = step.state.method_state
             ranges, keep = state.policy.visible_parts()
             row = table[step.req.req_pool_idx]  # a view: slices of it copy nothing
-            if keep.shape[1]:
-                self._selected_slots(state, row)
             n = 1
             for lo, hi in ranges:
                 if hi > lo:
                     parts.append(row[lo:hi])
                     n += hi - lo
             if keep.shape[1]:
-                parts.append(state.selected[1][: keep.shape[1]])
+                parts.append(self._selected_slots(state, row)[: keep.shape[1]])
                 n += keep.shape[1]
             root_slots.append(row[step.seq_len : step.seq_len + 1])  # the first slot of its verify window
             parts.append(root_slots[-1])
@@ -266,7 +264,7 @@ class TokenSwiftWorker(TreeSpecWorker):
             n = tree.max_depth + 1  # the most tokens this step can commit
             policy = step.state.method_state.policy
             if (policy.pending is not None or policy.selected.shape[1] < policy.capacity
-                    or policy.sel_len < policy.sinks or step.seq_len + n - policy.sel_len > policy.capacity
+                    or step.seq_len + n - policy.sel_len > policy.capacity
                     or len(step.req.output_ids) + n >= step.req.sampling_params.max_new_tokens):
                 return False
         return True
@@ -275,8 +273,7 @@ class TokenSwiftWorker(TreeSpecWorker):
         """The next draft's inputs (see :meth:`_draft_inputs`) from the walk, on the device."""
         dev, bs = self.device, len(steps)
         table = batch.req_to_token_pool.req_to_token
-        policy0 = steps[0].state.method_state.policy
-        sinks, kv_len = policy0.sinks, policy0.budget + 1
+        kv_len = self.partial_kv.budget + 1
         selected = []
         for step in steps:
             state: TokenSwiftState = step.state.method_state
@@ -285,21 +282,22 @@ class TokenSwiftWorker(TreeSpecWorker):
         host.numpy()[:] = [s.state.method_state.policy.sel_len for s in steps]
         sel_lens = host.to(dev, non_blocking=True, copy=True)
         fixed = self._steady_fixed.get(bs)
-        if fixed is None or fixed[0].device != dev or fixed[2].numel() != kv_len - 1:
-            indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * kv_len
-            fixed = (indptr, torch.full((bs,), kv_len, dtype=torch.int32, device=dev),
-                     torch.arange(kv_len - 1, device=dev))
-            self._steady_fixed[bs] = fixed
-        indptr, kv_lens, offsets = fixed
+        if fixed is None:  # KV index pointers and lengths, device and host, and arange(budget)
+            fixed = self._steady_fixed[bs] = (
+                torch.arange(bs + 1, dtype=torch.int32, device=dev) * kv_len,
+                torch.full((bs,), kv_len, dtype=torch.int32, device=dev),
+                torch.full((bs,), kv_len, dtype=torch.int32),
+                torch.arange(kv_len - 1, device=dev))
+        indptr, kv_lens, kv_lens_cpu, offsets = fixed
         lengths = batch.seq_lens + walks.count
         slots = steady_visible_slots(table, batch.req_pool_indices, lengths, sel_lens,
-                                     selected[0][None] if bs == 1 else torch.stack(selected), sinks, offsets)
+                                     selected[0][None] if bs == 1 else torch.stack(selected),
+                                     self.partial_kv.sinks, offsets)
         spec = PartialDraftInput(positions=lengths, kv_indptr=indptr, kv_indices=slots.flatten(),
                                  score_ranges=[None] * bs)
         return SimpleNamespace(input_ids=walks.last, positions=lengths, out_cache_loc=slots[:, -1],
                                req_pool_indices=batch.req_pool_indices, seq_lens=kv_lens,
-                               seq_lens_cpu=torch.full((bs,), kv_len, dtype=torch.int32),
-                               seq_lens_sum=bs * kv_len, spec_info=spec)
+                               seq_lens_cpu=kv_lens_cpu, seq_lens_sum=bs * kv_len, spec_info=spec)
 
     @torch.no_grad()
     def chain_draft(self, batch, steps: list[StepRequest], trees: list[DraftTree], walks: TreeWalks) -> None:

@@ -131,7 +131,7 @@ class TreeSpecWorker(BaseSpecWorker):
         self.host_profile = HostProfile.from_env()
         self._staging: dict[str, torch.Tensor] = {}
         self._static: VerifyStatic | None = None
-        self._window_offsets: torch.Tensor | None = None
+        self._window_offsets = torch.arange(self.num_nodes, device=self.device)  # a verify window's columns
 
     def set_penalty_defaults(self, defaults: PenaltyDefaults) -> None:
         self.penalty_defaults = defaults
@@ -496,12 +496,8 @@ class TreeSpecWorker(BaseSpecWorker):
         the KV: a few index ops instead of a gather and scatter per layer.
         """
         table = batch.req_to_token_pool.req_to_token
-        n = walks.order.shape[1]
-        offsets = self._window_offsets
-        if offsets is None or offsets.numel() != n:
-            offsets = self._window_offsets = torch.arange(n, device=table.device)
         rows = batch.req_pool_indices[:, None]
-        cols = seq_lens[:, None] + offsets
+        cols = seq_lens[:, None] + self._window_offsets
         table[rows, cols] = table[rows, cols].gather(1, walks.order)
 
     def _logprobs(self, batch, logits_output, trees, drawn, verdicts) -> None:
