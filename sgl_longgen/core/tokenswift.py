@@ -18,7 +18,7 @@ import torch
 
 from ..config import SamplingConfig
 from .ngram import NgramPool
-from .tree import DraftTree, Source, cartesian_paths
+from .tree import DraftTree, Source, cartesian_rows
 
 
 def candidate_count(tree: Sequence[int], vocab_size: int) -> int:
@@ -48,32 +48,37 @@ def head_candidates(
 
 
 def rank_candidates(
-    values: torch.Tensor,
-    ids: torch.Tensor,
+    values: torch.Tensor | Sequence[Sequence[float]],
+    ids: torch.Tensor | Sequence[Sequence[float]],
     params: SamplingConfig,
     window: Collection[int] | None,
     width: int,
 ) -> list[list[int]]:
-    """Up to ``width`` proposals per row from raw ``(values, ids)`` (``[rows, k]``, host tensors).
+    """Up to ``width`` proposals per row from raw ``(values, ids)`` (``[rows, k]``, best first as
+    :func:`head_candidates` gives them; host tensors or nested lists, ids may be floats).
 
     The contextual penalty re-ranks them (``window``: the penalized tokens; :func:`.penalty.apply_penalty`'s
     rule); top-k and min-p drop what the verifier could never accept. Top-p needs the whole
     distribution's mass and is left to the verifier. A few dozen numbers per step: plain Python
     lists, which cost less than one small tensor op each.
     """
+    if isinstance(values, torch.Tensor):
+        values, ids = values.tolist(), ids.tolist()
     penalize = bool(window) and params.penalty_active
     theta = params.penalty
     limit = width if params.greedy or params.top_k <= 0 else min(width, params.top_k)
     min_logit_gap = math.log(params.min_p) * params.temperature if not params.greedy and params.min_p > 0 else None
     out = []
-    for row_values, row_ids in zip(values.tolist(), ids.tolist()):
+    for row_values, row_ids in zip(values, ids):
         if penalize:
-            row_values = [(v / theta if v > 0 else v * theta) if t in window else v
+            row_values = [(v / theta if v > 0 else v * theta) if int(t) in window else v
                           for v, t in zip(row_values, row_ids)]
-        order = sorted(range(len(row_values)), key=row_values.__getitem__, reverse=True)
+            order = sorted(range(len(row_values)), key=row_values.__getitem__, reverse=True)[:limit]
+        else:
+            order = range(min(limit, len(row_values)))
         keep = []
         top = row_values[order[0]] if order else 0.0
-        for i in order[:limit]:
+        for i in order:
             value = row_values[i]
             if value == float("-inf"):
                 break
@@ -93,10 +98,12 @@ def draft_trie(
 ) -> DraftTree:
     """The heads' cartesian tree, then the n-gram pool's continuations of the top depth-1 token."""
     tree = DraftTree(root)
-    for path in cartesian_paths(candidates, branching):
-        tree.add_path(path, Source.HEADS, max_nodes=max_nodes)
+    tree.add_cartesian(cartesian_rows(candidates, branching), Source.HEADS, max_nodes)
     if pool is not None and candidates and candidates[0]:
-        d1 = candidates[0][0]
-        for cont in pool.lookup(d1):
-            tree.add_path((d1, *cont), Source.NGRAM, max_nodes=max_nodes)
+        conts = pool.lookup(candidates[0][0])
+        if conts:
+            (d1,) = tree.add_path(candidates[0][:1], Source.NGRAM, max_nodes=max_nodes) or (None,)
+            if d1 is not None:
+                for cont in conts:
+                    tree.add_path(cont, Source.NGRAM, max_nodes=max_nodes, below=d1)
     return tree

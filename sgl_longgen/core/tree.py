@@ -11,7 +11,6 @@ creation order, so every parent precedes its children (the verify mask is lower-
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from enum import IntFlag
 
@@ -38,7 +37,10 @@ class DraftTree:
         # Source flags as plain ints (``== Source.X`` and ``& Source.X`` work): IntFlag arithmetic
         # costs microseconds per operation, and a trie takes a few hundred per step.
         self.sources: list[int] = [0]
-        self.children: list[dict[int, int]] = [{}]
+        # (parent, token) -> child: one map for the whole trie, so a level of new nodes goes in
+        # with one update instead of one dictionary per node.
+        self._child: dict[tuple[int, int], int] = {}
+        self._parented: set[int] = set()  # nodes with at least one child
         self.num_walkable = 1  # nodes before the first leaf added with add_leaf
 
     def __len__(self) -> int:
@@ -51,20 +53,10 @@ class DraftTree:
     def add_child(self, parent: int, token: int, source: Source = Source.NONE) -> int:
         """The node for ``token`` under ``parent``, created if new."""
         token = int(token)
-        node = self.children[parent].get(token)
+        node = self._child.get((parent, token))
         if node is None:
-            if self.num_walkable != len(self.tokens):
-                raise ValueError("walkable nodes must be added before leaves")
-            node = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.depths.append(self.depths[parent] + 1)
-            self.sources.append(int(source))
-            self.children.append({})
-            self.children[parent][token] = node
-            self.num_walkable += 1
-        else:
-            self.sources[node] |= int(source)
+            return self._new_node(parent, token, int(source))
+        self.sources[node] |= int(source)
         return node
 
     def add_leaf(self, parent: int, token: int, source: Source) -> int:
@@ -78,33 +70,96 @@ class DraftTree:
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.sources.append(int(source))
-        self.children.append({})
         return node
 
-    def add_path(self, tokens: Iterable[int], source: Source = Source.NONE, max_nodes: int | None = None) -> list[int]:
-        """Insert a path below the root; returns its node ids (shorter if ``max_nodes`` is hit).
+    def add_path(self, tokens: Iterable[int], source: Source = Source.NONE, max_nodes: int | None = None,
+                 below: int = 0) -> list[int]:
+        """Insert a path below node ``below`` (the root by default); returns its node ids
+        (shorter if ``max_nodes`` is hit).
 
         Paths share long prefixes (a cartesian head tree, n-grams of one first token), so an
-        existing prefix is followed through the child maps without :meth:`add_child`'s checks.
+        existing prefix is followed through the child map without :meth:`add_child`'s checks.
         """
-        node, out = 0, []
-        children, sources = self.children, self.sources
+        node, out = below, []
+        child, sources = self._child, self.sources
         source = int(source)
         for tok in tokens:
             tok = int(tok)
-            nxt = children[node].get(tok)
+            nxt = child.get((node, tok))
             if nxt is None:
                 if max_nodes is not None and len(self.tokens) >= max_nodes:
                     break
-                nxt = self.add_child(node, tok, source)
+                nxt = self._new_node(node, tok, source)
             elif source and not sources[nxt] & source:
                 sources[nxt] |= source
             node = nxt
             out.append(node)
         return out
 
+    def add_cartesian(self, rows: Sequence[Sequence[int]], source: Source = Source.NONE,
+                      max_nodes: int | None = None) -> None:
+        """Every combination of one token per row below the root (row i at depth i + 1).
+
+        Built level by level, so ``max_nodes`` leaves out the deepest level's last nodes first:
+        the ones least likely to be accepted. A row that is empty ends the tree above it.
+        """
+        frontier = [0]
+        tokens, child, sources = self.tokens, self._child, self.sources
+        source = int(source)
+        for row in rows:
+            row = [int(t) for t in row]
+            if not row:
+                return
+            k, start = len(row), len(tokens)
+            count = k * len(frontier)
+            if (len(set(row)) == k and self.num_walkable == start and self._parented.isdisjoint(frontier)
+                    and (max_nodes is None or start + count <= max_nodes)):
+                # A whole level of new nodes: a few list operations instead of one insertion
+                # per node (``frontier`` is ascending, so sorting repeats each parent k times).
+                parents = sorted(frontier * k) if k > 1 else list(frontier)
+                level = row * len(frontier)
+                tokens.extend(level)
+                self.parents.extend(parents)
+                self.depths.extend([self.depths[frontier[0]] + 1] * count)
+                sources.extend([source] * count)
+                child.update(zip(zip(parents, level), range(start, start + count)))
+                self._parented.update(frontier)
+                self.num_walkable += count
+                frontier = list(range(start, start + count))
+                continue
+            nxt_frontier = []
+            for parent in frontier:
+                for tok in row:
+                    node = child.get((parent, tok))
+                    if node is None:
+                        if max_nodes is not None and len(tokens) >= max_nodes:
+                            return
+                        node = self._new_node(parent, tok, source)
+                    elif source:
+                        sources[node] |= source
+                    nxt_frontier.append(node)
+            frontier = nxt_frontier
+
+    def _new_node(self, parent: int, token: int, source: int) -> int:
+        if self.num_walkable != len(self.tokens):
+            raise ValueError("walkable nodes must be added before leaves")
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.sources.append(source)
+        self._child[(parent, token)] = node
+        self._parented.add(parent)
+        self.num_walkable += 1
+        return node
+
     def child(self, node: int, token: int) -> int | None:
-        return self.children[node].get(int(token))
+        """The child of ``node`` holding ``token`` (never a leaf), if any."""
+        return self._child.get((node, int(token)))
+
+    def children_of(self, node: int) -> dict[int, int]:
+        """``{token: child}`` of ``node``'s walkable children."""
+        return {tok: c for (p, tok), c in self._child.items() if p == node}
 
     def path_tokens(self, node: int) -> list[int]:
         """Tokens from the root's first child down to ``node`` (the root itself excluded)."""
@@ -124,19 +179,24 @@ class DraftTree:
         out.reverse()
         return out
 
+    def ancestor_bits(self) -> list[int]:
+        """Node i's ancestors and itself as the set bits of one int (bit j: node j).
+
+        A trie's rows share their ancestors' rows: one int operation per node, where a boolean
+        row per node would cost a numpy call each.
+        """
+        bits: list[int] = []
+        for i, p in enumerate(self.parents):
+            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
+        return bits
+
     def ancestor_array(self, size: int | None = None) -> np.ndarray:
         """``mask[i, j]``: node j is an ancestor of node i or i itself, as a numpy array.
 
         ``size`` pads to a ``[size, size]`` block for engines that verify a fixed width.
         """
-        n = len(self)
-        size = n if size is None else size
-        mask = np.zeros((size, size), dtype=np.bool_)
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
-        return mask
+        size = len(self) if size is None else size
+        return bits_to_rows(self.ancestor_bits(), size)
 
     def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``mask[i, j]``: node j is an ancestor of node i or i itself (tree attention)."""
@@ -150,16 +210,26 @@ class DraftTree:
         return torch.tensor(self.tokens, dtype=torch.long, device=device)
 
 
-def cartesian_paths(candidates: Sequence[Sequence[int]], branching: Sequence[int]) -> list[tuple[int, ...]]:
-    """TokenSwift's head tree: depth i takes the top ``branching[i]`` of row i, in every combination.
+def bits_to_rows(bits: Sequence[int], size: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``out[i, j]`` = bit j of ``bits[i]``, ``[size, size]`` booleans (rows past ``bits``: False)."""
+    if out is None:
+        out = np.empty((size, size), dtype=np.bool_)
+    n, width = len(bits), (size + 7) // 8
+    if size <= 64:
+        packed = np.array(bits, dtype=np.uint64).view(np.uint8)
+        width = 8
+    else:
+        packed = np.frombuffer(b"".join(b.to_bytes(width, "little") for b in bits), dtype=np.uint8)
+    out[:n] = np.unpackbits(packed.reshape(n, width), axis=1, count=size, bitorder="little").view(np.bool_)
+    out[n:] = False
+    return out
+
+
+def cartesian_rows(candidates: Sequence[Sequence[int]], branching: Sequence[int]) -> list[list[int]]:
+    """TokenSwift's head tree as rows for :meth:`DraftTree.add_cartesian`: the top ``branching[i]``
+    of candidate row i.
 
     A node's token depends only on its depth and sibling rank (Medusa-style), so the depth-2
     candidates reappear under every depth-1 node and so on.
     """
-    per_depth = [list(c[:b]) for c, b in zip(candidates, branching)]
-    if any(not c for c in per_depth):
-        # A row whose filters left nothing: the tree stops above it.
-        per_depth = per_depth[: next(i for i, c in enumerate(per_depth) if not c)]
-    if not per_depth:
-        return []
-    return list(itertools.product(*per_depth))
+    return [list(c[:b]) for c, b in zip(candidates, branching)]

@@ -293,6 +293,10 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                     outside = [d + v + o + b - dg - vg for d, v, o, b, dg, vg in per_step]
                     row["host_outside_forwards_median_ms"] = round(statistics.median(outside), 3)
                     row["host_step_wall_median_ms"] = round(statistics.median(sum(x[:4]) for x in per_step), 3)
+                for gap in ("gap_draft_verify", "gap_verify_draft"):  # where the outside time lies
+                    values = steps(f"longgen_{gap}_ms")
+                    if values:
+                        row[f"{gap}_median_ms"] = round(statistics.median(values), 3)
                 accept = meta.get("spec_accept_length")
                 if accept:  # per token from the step wall: free of per-request setup noise
                     row["host_ms_per_token"] = round(wall / accept, 3)
@@ -301,7 +305,9 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                         row[f"{share}_share"] = round(mean(f"longgen_{share}"), 3)
                 print(f"[{tag}] {L}: step wall {wall:.2f} ms, {row['host_outside_forwards_ms']:.2f} ms of it"
                       " outside the two forwards' GPU spans (mean; median step:"
-                      f" {row.get('host_outside_forwards_median_ms', float('nan')):.2f})", flush=True)
+                      f" {row.get('host_outside_forwards_median_ms', float('nan')):.2f}; device between draft and"
+                      f" verify {row.get('gap_draft_verify_median_ms', float('nan')):.2f}, between verify and draft"
+                      f" {row.get('gap_verify_draft_median_ms', float('nan')):.2f})", flush=True)
             print(f"[{tag}] {L}: step sections (ms, {mode} mode): {row[f'detail_{mode}_ms']}", flush=True)
         rows.append(row)
         if profile_path is not None and L == max(long_prompts):

@@ -19,7 +19,9 @@ draft forward at the end of the step before (``longgen_draft_queued_ahead``: 1.0
 used such a draft): its ``draft_inputs`` / ``draft_plan`` / ``draft_forward`` sections are then
 in the series of the step that queued it, and its GPU span in the step that used it.
 ``longgen_draft_chained`` (1.0) marks a step that queued the next draft on the device right
-behind its commit, before reading its draws back.
+behind its commit, before reading its draws back. ``longgen_gap_draft_verify_ms`` and
+``longgen_gap_verify_draft_ms`` (host mode) are the device time between the draft's end and the
+verify's start, and between the previous verify's end and the draft's start.
 
 Detail mode is on for the whole server with ``SGLANG_LONGGEN_STEP_DETAIL=1`` (or ``=host``), or
 for the steps of requests whose ``custom_params`` hold ``{"longgen_step_detail": true}`` (or
@@ -59,6 +61,7 @@ class StepTimer:
         self._phase_start = self._last = 0.0
         self._events: dict[str, list] = {}
         self._finished_at: float | None = None
+        self._last_verify_end = None  # the previous step's verify end event (host detail mode)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -116,6 +119,15 @@ class StepTimer:
             if len(events) == 2:
                 events[1].synchronize()
                 self.values[f"longgen_{name}_ms"] = round(events[0].elapsed_time(events[1]), 3)
+        draft, verify = self._events.get("draft_gpu"), self._events.get("verify_gpu")
+        if draft is not None and verify is not None and len(draft) == len(verify) == 2:
+            # Where the device waits between the forwards: before this step's verify (the host
+            # builds the trie and the verify inputs) and before its draft (the previous step's
+            # draws, walk, commit and the draft's inputs).
+            self.values["longgen_gap_draft_verify_ms"] = round(draft[1].elapsed_time(verify[0]), 3)
+            if self._last_verify_end is not None:
+                self.values["longgen_gap_verify_draft_ms"] = round(self._last_verify_end.elapsed_time(draft[0]), 3)
+        self._last_verify_end = verify[1] if verify is not None and len(verify) == 2 else None
         self._events = {}
         self._finished_at = time.perf_counter()
         return self.values

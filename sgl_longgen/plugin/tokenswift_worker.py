@@ -289,13 +289,21 @@ class TokenSwiftWorker(TreeSpecWorker):
                 torch.full((bs,), kv_len, dtype=torch.int32),
                 torch.arange(kv_len - 1, device=dev))
         indptr, kv_lens, kv_lens_cpu, offsets = fixed
-        lengths = batch.seq_lens + walks.count
-        slots = steady_visible_slots(table, batch.req_pool_indices, lengths, sel_lens,
-                                     selected[0][None] if bs == 1 else torch.stack(selected),
-                                     self.partial_kv.sinks, offsets)
+        selected = selected[0][None] if bs == 1 else torch.stack(selected)
+        if self._fused_accept is not None:  # a GPU: one kernel (see tree_worker._walk_and_commit)
+            from ..kernels.tree_accept import steady_draft_inputs
+
+            slots, root_slots, input_ids, lengths = steady_draft_inputs(
+                table, batch.req_pool_indices, batch.seq_lens, walks.count, sel_lens, selected, walks.last,
+                self.partial_kv.sinks, self.partial_kv.budget)
+        else:
+            lengths = batch.seq_lens + walks.count
+            slots = steady_visible_slots(table, batch.req_pool_indices, lengths, sel_lens, selected,
+                                         self.partial_kv.sinks, offsets)
+            root_slots, input_ids = slots[:, -1], walks.last
         spec = PartialDraftInput(positions=lengths, kv_indptr=indptr, kv_indices=slots.flatten(),
                                  score_ranges=[None] * bs)
-        return SimpleNamespace(input_ids=walks.last, positions=lengths, out_cache_loc=slots[:, -1],
+        return SimpleNamespace(input_ids=input_ids, positions=lengths, out_cache_loc=root_slots,
                                req_pool_indices=batch.req_pool_indices, seq_lens=kv_lens,
                                seq_lens_cpu=kv_lens_cpu, seq_lens_sum=bs * kv_len, spec_info=spec)
 
@@ -389,8 +397,7 @@ class TokenSwiftWorker(TreeSpecWorker):
             windows.append(set(window_tokens(step.history, [], sampling.penalty_window)) if active else None)
         self.prepare_verify_static(batch, steps)
         self.timer.section("draft_shadow")
-        candidates = candidates.cpu()
-        values, ids = candidates[0], candidates[1].long()
+        values, ids = candidates.cpu().tolist()
         self.timer.section("draft_wait")
         width = max(self.ts.tree)
         trees = []

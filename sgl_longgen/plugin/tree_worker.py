@@ -39,7 +39,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from ..config import SamplingConfig
 from ..core.penalty import tree_window_mask
 from ..core.sampling import LogitsProcessor
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, bits_to_rows
 from ..core.verify import TreeWalks, Verdict, walk_tree, walk_trees
 from .penalty_processor import ContextualPenaltyProcessor
 from .requests import (
@@ -90,6 +90,28 @@ class WalkInputs:
     tokens: torch.Tensor  # a node's token where a walk may enter it, else -1
 
 
+class VerifyBuffers:
+    """One batch size's verify inputs: a page-locked host buffer, its device copy, their views.
+
+    Tokens, positions, parents and walk tokens (int64 ``[4, bs, N]``), then the ancestor masks
+    (bool ``[bs, N, N]``): one host-to-device copy per step, and no tensor views to make on the
+    step's critical path (between the draft's candidates and the verify forward). Reuse is safe
+    for the same reason as :meth:`TreeSpecWorker.staging`: each step waits for the read-back of
+    its draws, queued after the verify forward and the walk, the only readers.
+    """
+
+    def __init__(self, bs: int, n: int, device: torch.device):
+        mask_at = 4 * bs * n * 8
+        self.host = torch.empty(mask_at + bs * n * n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device = torch.empty_like(self.host, device=device)
+        self.ints = self.host[:mask_at].numpy().view(np.int64).reshape(4, bs, n)
+        self.masks = self.host[mask_at:].numpy().view(np.bool_).reshape(bs, n, n)
+        ints = self.device[:mask_at].view(torch.int64).view(4, bs, n)
+        self.draft_token, self.positions = ints[0].flatten(), ints[1].flatten()
+        self.parents, self.walk_tokens = ints[2], ints[3]
+        self.tree_mask = self.device[mask_at:].view(torch.bool).view(bs, n, n)
+
+
 def verify_static(batch, steps: list[StepRequest], n: int, full_mask: bool) -> VerifyStatic:
     dev = batch.seq_lens.device
     table = batch.req_to_token_pool.req_to_token
@@ -130,8 +152,15 @@ class TreeSpecWorker(BaseSpecWorker):
         self.timer = StepTimer(self.device)
         self.host_profile = HostProfile.from_env()
         self._staging: dict[str, torch.Tensor] = {}
+        self._verify_bufs: dict[int, VerifyBuffers] = {}
         self._static: VerifyStatic | None = None
         self._window_offsets = torch.arange(self.num_nodes, device=self.device)  # a verify window's columns
+        self._fused_accept = None  # the fused walk-and-commit kernel, on GPUs
+        if self.device.type == "cuda":
+            from ..kernels.tree_accept import MAX_NODES, walk_and_commit
+
+            if self.num_nodes <= MAX_NODES:
+                self._fused_accept = walk_and_commit
 
     def set_penalty_defaults(self, defaults: PenaltyDefaults) -> None:
         self.penalty_defaults = defaults
@@ -319,9 +348,8 @@ class TreeSpecWorker(BaseSpecWorker):
         # Queued behind the verify forward: one draw per node, the walk, the commit, their
         # read-back, and maybe the next draft; the host waits only for the read-back.
         draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
-        walks = walk_trees(draws, walk.parents, walk.tokens, spec.tree_mask)
+        walks = self._walk_and_commit(batch, seq_lens, draws, walk, spec.tree_mask)
         readback = self._read_back(draws, walks.count)
-        self._commit_paths(batch, seq_lens, walks)
         self.chain_draft(batch, steps, trees, walks)
         timer.section("accept_queue")
         drawn, counts = readback()
@@ -372,48 +400,41 @@ class TreeSpecWorker(BaseSpecWorker):
             can_run_cuda_graph=res.can_run_cuda_graph,
         )
 
+    def _verify_buffers(self, bs: int) -> "VerifyBuffers":
+        buffers = self._verify_bufs.get(bs)
+        if buffers is None:
+            buffers = self._verify_bufs[bs] = VerifyBuffers(bs, self.num_nodes, self.device)
+        return buffers
+
     def _verify_input(self, steps: list[StepRequest], trees: list[DraftTree],
                       static: VerifyStatic) -> tuple[TreeVerifyInput, WalkInputs]:
         """Pad each trie to ``num_nodes``: padding nodes hang off the root and are never walked."""
-        n, dev = self.num_nodes, self.device
-        bs = len(trees)
-        # Tokens, positions, parents and walk tokens (int64), then the masks (bool), in one
-        # page-locked copy.
-        mask_at = 4 * bs * n * 8
-        host = self.staging("verify", mask_at + bs * n * n, torch.uint8)
-        ints_host = host[:mask_at].numpy().view(np.int64).reshape(4, bs, n)
-        tokens, positions, parents, walk_tokens = ints_host
-        masks = host[mask_at:].numpy().view(np.bool_).reshape(bs, n, n)
-        masks[:] = False
-        parents[:] = 0
-        walk_tokens[:] = -1
-        pad = np.arange(n)
+        n = self.num_nodes
+        buf = self._verify_buffers(len(trees))
+        tokens, positions, parents, walk_tokens = buf.ints
         for b, (step, tree) in enumerate(zip(steps, trees)):
-            t = len(tree)
+            t, walkable = len(tree), tree.num_walkable
             if t > n:
                 raise RuntimeError(f"draft produced {t} nodes, more than speculative_num_draft_tokens={n}")
-            masks[b] = tree.ancestor_array(n)
-            masks[b, pad[t:], pad[t:]] = True  # padding nodes: the root and themselves
-            masks[b, t:, 0] = True
-            tokens[b, :t] = tree.tokens
-            tokens[b, t:] = step.root
-            positions[b, :t] = tree.depths
-            positions[b, t:] = 1
+            pad = n - t
+            bits = tree.ancestor_bits()
+            bits.extend(1 | (1 << i) for i in range(t, n))  # padding nodes: the root and themselves
+            bits_to_rows(bits, n, buf.masks[b])
+            tokens[b] = tree.tokens + [step.root] * pad
+            positions[b] = tree.depths + [1] * pad
             positions[b] += step.seq_len
-            parents[b, 1:t] = tree.parents[1:]
-            walk_tokens[b, 1 : tree.num_walkable] = tree.tokens[1 : tree.num_walkable]
-        on_device = host.to(dev, non_blocking=True, copy=True)
-        ints = on_device[:mask_at].view(torch.int64).view(4, bs, n)
-        tree_mask = on_device[mask_at:].view(torch.bool).view(bs, n, n)
+            parents[b] = [0, *tree.parents[1:]] + [0] * pad
+            walk_tokens[b] = [-1, *tree.tokens[1:walkable]] + [-1] * (n - walkable)
+        buf.device.copy_(buf.host, non_blocking=True)
         if static.custom_mask is not None:
             for b, (step, offset) in enumerate(zip(steps, static.mask_offsets)):
                 width = step.seq_len + n
-                static.custom_mask[offset : offset + n * width].view(n, width)[:, step.seq_len :].copy_(tree_mask[b])
+                static.custom_mask[offset : offset + n * width].view(n, width)[:, step.seq_len :].copy_(buf.tree_mask[b])
         spec = TreeVerifyInput(
-            draft_token=ints[0].flatten(), positions=ints[1].flatten(), tree_mask=tree_mask,
+            draft_token=buf.draft_token, positions=buf.positions, tree_mask=buf.tree_mask,
             custom_mask=static.custom_mask, draft_token_num=n, capture_hidden_mode=self.capture_hidden_mode,
         )
-        return spec, WalkInputs(ints[2], ints[3])
+        return spec, WalkInputs(buf.parents, buf.walk_tokens)
 
     def _draw(self, batch, steps: list[StepRequest], trees: list[DraftTree], logits: torch.Tensor) -> torch.Tensor:
         """One token per node, each from that node's exact target distribution: ``[bs, N]``.
@@ -486,6 +507,22 @@ class TreeSpecWorker(BaseSpecWorker):
             return values[: bs * n].reshape(bs, n), values[bs * n :].tolist()
 
         return wait
+
+    def _walk_and_commit(self, batch, seq_lens: torch.Tensor, draws: torch.Tensor, walk: WalkInputs,
+                         ancestors: torch.Tensor) -> TreeWalks:
+        """The device walk of every trie, and each walked path's KV put at the front of its window.
+
+        On a GPU one fused kernel does both (:mod:`sgl_longgen.kernels.tree_accept`): the ~20
+        small torch ops would each leave the device idle for a launch between the two forwards.
+        """
+        if self._fused_accept is not None:
+            count, last, order = self._fused_accept(draws, walk.parents, walk.tokens, ancestors,
+                                                    batch.req_to_token_pool.req_to_token,
+                                                    batch.req_pool_indices, seq_lens)
+            return TreeWalks(count, last, order)
+        walks = walk_trees(draws, walk.parents, walk.tokens, ancestors)
+        self._commit_paths(batch, seq_lens, walks)
+        return walks
 
     def _commit_paths(self, batch, seq_lens: torch.Tensor, walks: TreeWalks) -> None:
         """Put each walked path's KV at the front of its verify window (the root stays in place).

@@ -340,7 +340,7 @@ def test_spec_leaves_follow_every_node_and_are_never_children():
     positions = tree.positions(100).tolist()
     for node, leaf in enumerate(leaves):
         assert tree.parents[leaf] == node and tree.sources[leaf] == Source.SPEC
-        assert leaf not in tree.children[node].values()
+        assert leaf not in tree.children_of(node).values()
         assert positions[leaf] == positions[node] + 1
         assert mask[leaf].nonzero().flatten().tolist() == sorted(tree.path_nodes(node) + [leaf])
         assert mask[:, leaf].nonzero().flatten().tolist() == [leaf]  # nothing else attends to a leaf

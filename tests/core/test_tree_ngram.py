@@ -1,7 +1,10 @@
+import random
+
+import numpy as np
 import torch
 
 from sgl_longgen.core.ngram import NgramPool
-from sgl_longgen.core.tree import DraftTree, Source, cartesian_paths
+from sgl_longgen.core.tree import DraftTree, Source, bits_to_rows, cartesian_rows
 
 
 def test_paths_merge_into_one_node_per_distinct_prefix():
@@ -49,16 +52,47 @@ def test_max_nodes_truncates_paths():
 
 def test_cartesian_tree_is_tokenswifts_1_3_3_3():
     cands = [[10, 11], [20, 21, 22, 23], [30, 31, 32], [40, 41, 42]]
-    paths = cartesian_paths(cands, [1, 3, 3, 3])
-    assert len(paths) == 27 and all(p[0] == 10 for p in paths)
     tree = DraftTree(0)
-    for p in paths:
-        tree.add_path(p)
+    tree.add_cartesian(cartesian_rows(cands, [1, 3, 3, 3]), Source.HEADS)
     assert len(tree) == 1 + 1 + 3 + 9 + 27
+    leaves = {tuple(tree.path_tokens(i)) for i in range(len(tree)) if tree.depths[i] == 4}
+    assert leaves == {(10, a, b, c) for a in (20, 21, 22) for b in (30, 31, 32) for c in (40, 41, 42)}
+    assert all(s == Source.HEADS for s in tree.sources[1:])
+    # The same trie as inserting every combination as a path.
+    paths = DraftTree(0)
+    for p in sorted(leaves):
+        paths.add_path(p)
+    assert sorted(map(tuple, map(tree.path_tokens, range(len(tree))))) == \
+        sorted(map(tuple, map(paths.path_tokens, range(len(paths)))))
 
 
-def test_cartesian_tree_stops_above_an_empty_row():
-    assert cartesian_paths([[1], [2, 3], [], [4]], [1, 3, 3, 3]) == [(1, 2), (1, 3)]
+def test_cartesian_tree_is_cut_deepest_level_first_and_stops_above_an_empty_row():
+    tree = DraftTree(0)
+    tree.add_cartesian([[1], [2, 3], [4, 5]], max_nodes=5)
+    assert [tree.path_tokens(i) for i in range(1, 5)] == [[1], [1, 2], [1, 3], [1, 2, 4]]
+    tree = DraftTree(0)
+    tree.add_cartesian([[1], [2, 3], [], [4]])
+    assert len(tree) == 4 and tree.max_depth == 2
+    # Merges into what is there: an n-gram path first, then the heads.
+    tree = DraftTree(0)
+    tree.add_path([1, 3], Source.NGRAM)
+    tree.add_cartesian([[1], [2, 3]], Source.HEADS)
+    assert len(tree) == 4 and tree.sources[tree.child(tree.child(0, 1), 3)] == Source.HEADS | Source.NGRAM
+
+
+def test_ancestor_rows_match_the_parent_walk_on_random_tries():
+    rng = random.Random(0)
+    for size in (8, 64, 70):
+        tree = DraftTree(0)
+        while len(tree) < size - 3:
+            tree.add_path([rng.randrange(4) for _ in range(rng.randrange(1, 6))], max_nodes=size - 3)
+        expect = np.zeros((size, size), dtype=np.bool_)
+        for i in range(len(tree)):
+            expect[i, tree.path_nodes(i)] = True
+        assert np.array_equal(tree.ancestor_array(size), expect)
+        out = np.ones((size, size), dtype=np.bool_)
+        bits_to_rows(tree.ancestor_bits(), size, out)
+        assert np.array_equal(out, expect)
 
 
 def test_ngram_pool_counts_and_ranks_by_frequency_then_recency():

@@ -73,8 +73,8 @@ def walk_rule(tree, history, gen, rng) -> list[int]:
 def biased_walk_rule(tree, history, gen, rng) -> list[int]:
     """In 5% of steps the root 'accepts' its first child without drawing. Must be caught."""
     logits = node_logits(tree, history)
-    if tree.children[0] and rng.random() < 0.05:
-        first_child = next(iter(tree.children[0].values()))
+    if tree.children_of(0) and rng.random() < 0.05:
+        first_child = next(iter(tree.children_of(0).values()))
         return [tree.tokens[first_child]]
     return verify_tree(tree, logits, PROCESSOR, history, gen).tokens
 
@@ -82,7 +82,7 @@ def biased_walk_rule(tree, history, gen, rng) -> list[int]:
 def upstream_per_path_rule(tree, history, gen, rng) -> list[int]:
     """TokenSwift's released rule: each (path, position) draws its own sample; keep the longest
     match; break ties by taking the first or last tied path with probability 1/2 each."""
-    leaves = [i for i in range(len(tree)) if not tree.children[i] and i > 0] or [0]
+    leaves = [i for i in range(len(tree)) if not tree.children_of(i) and i > 0] or [0]
     paths = [tree.path_tokens(i) for i in leaves]
     best, results = -1, []
     for path in paths:

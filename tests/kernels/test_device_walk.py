@@ -1,4 +1,5 @@
-"""The batched tensor walk and the steady partial-KV slots agree with their host versions."""
+"""The batched tensor walk and the steady partial-KV slots agree with their host versions, and the
+fused kernels (compiled on a GPU, interpreted on a CPU) with the tensor versions."""
 
 import random
 
@@ -10,6 +11,9 @@ from sgl_longgen.config import PartialKVConfig
 from sgl_longgen.core.partial_kv import PartialKVPolicy, steady_visible_slots
 from sgl_longgen.core.tree import DraftTree, Source
 from sgl_longgen.core.verify import walk_tree, walk_trees
+from sgl_longgen.kernels.tree_accept import steady_draft_inputs, walk_and_commit
+
+from kernel_cases import DEVICE
 
 
 def random_trie(rng: random.Random, n: int, vocab: int) -> DraftTree:
@@ -37,18 +41,24 @@ def padded(trees: list[DraftTree], n: int):
     return torch.from_numpy(parents), torch.from_numpy(walk_tokens), torch.from_numpy(ancestors)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_tensor_walk_matches_the_host_walk(seed):
+def random_batch(seed: int, n: int = 24, bs: int = 6):
     rng = random.Random(seed)
-    n, vocab, bs = 24, 5, 6  # a small vocabulary: draws often match a child, and padding's root token
+    vocab = 5  # a small vocabulary: draws often match a child, and padding's root token
     trees = [random_trie(rng, n, vocab) for _ in range(bs)]
     draws = torch.randint(0, vocab, (bs, n), generator=torch.Generator().manual_seed(seed))
     for b, tree in enumerate(trees):  # steer some draws down a path so walks go deep
         node = 0
-        while tree.children[node] and rng.random() < 0.8:
-            token, child = rng.choice(sorted(tree.children[node].items()))
+        while tree.children_of(node) and rng.random() < 0.8:
+            token, child = rng.choice(sorted(tree.children_of(node).items()))
             draws[b, node] = token
             node = child
+    return trees, draws
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tensor_walk_matches_the_host_walk(seed):
+    n, bs = 24, 6
+    trees, draws = random_batch(seed, n, bs)
     walks = walk_trees(draws, *padded(trees, n))
     deep = 0
     for b, tree in enumerate(trees):
@@ -97,3 +107,50 @@ def test_steady_slots_are_the_policy_visible_positions(seed):
         want = table[r][p.visible()[0]]
         assert sorted(slots[b, :-1].tolist()) == sorted(want.tolist())
         assert int(slots[b, -1]) == int(table[r, length])  # the root's own slot
+
+
+@pytest.mark.parametrize("seed,n", [(0, 24), (1, 24), (2, 64), (3, 100)])
+def test_fused_walk_and_commit_match_the_tensor_walk_and_the_window_permutation(seed, n):
+    bs = 5
+    trees, draws = random_batch(seed, n, bs)
+    parents, walk_tokens, ancestors = padded(trees, n)
+    want = walk_trees(draws, parents, walk_tokens, ancestors)
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(50_000, generator=gen)[: 7 * 300].view(7, 300).to(torch.int32)
+    rows = torch.tensor([6, 0, 3, 2, 5])
+    seq_lens = torch.randint(0, 300 - n, (bs,), generator=gen)
+    expect = table.clone()
+    cols = seq_lens[:, None] + torch.arange(n)
+    expect[rows[:, None], cols] = expect[rows[:, None], cols].gather(1, want.order)
+
+    on = lambda t: t.to(DEVICE)
+    got_table = on(table)
+    count, last, order = walk_and_commit(on(draws), on(parents), on(walk_tokens), on(ancestors), got_table,
+                                         on(rows), on(seq_lens))
+    assert count.tolist() == want.count.tolist()
+    assert last.tolist() == want.last.tolist()
+    assert order.tolist() == want.order.tolist()
+    assert torch.equal(got_table.cpu(), expect)  # only the windows moved, each by its walk's order
+
+
+def test_fused_steady_inputs_match_the_tensor_slots():
+    gen = torch.Generator().manual_seed(0)
+    budget, sinks, bs = 40, 4, 3
+    capacity = budget - sinks  # a full selection (PartialKVPolicy.capacity)
+    table = torch.randperm(20_000, generator=gen)[: 5 * 400].view(5, 400).to(torch.int32)
+    rows = torch.tensor([3, 0, 4])
+    sel_lens = torch.tensor([200, 150, 300])
+    seq_lens = sel_lens + torch.tensor([0, 3, 5])
+    count = torch.tensor([1, 3, 2])
+    selected = torch.stack([table[r][torch.randperm(s - sinks, generator=gen)[:capacity] + sinks]
+                            for r, s in zip(rows.tolist(), sel_lens.tolist())])
+    last = torch.tensor([11, 12, 13])
+    lengths = seq_lens + count
+    want = steady_visible_slots(table, rows, lengths, sel_lens, selected, sinks, torch.arange(budget))
+    on = lambda t: t.to(DEVICE)
+    kv, loc, ids, pos = steady_draft_inputs(on(table), on(rows), on(seq_lens), on(count), on(sel_lens),
+                                            on(selected), on(last), sinks, budget)
+    assert kv.dtype == table.dtype and kv.shape == (bs, budget + 1)
+    assert torch.equal(kv.cpu(), want)
+    assert loc.tolist() == want[:, -1].tolist() == [int(table[r, L]) for r, L in zip(rows.tolist(), lengths.tolist())]
+    assert ids.tolist() == last.tolist() and pos.tolist() == lengths.tolist()
