@@ -22,6 +22,7 @@ in the series of the step that queued it, and its GPU span in the step that used
 behind its commit, before reading its draws back. ``longgen_gap_draft_verify_ms`` and
 ``longgen_gap_verify_draft_ms`` (host mode) are the device time between the draft's end and the
 verify's start, and between the previous verify's end and the draft's start.
+``longgen_gc_ms``: pauses of Python's garbage collector since the previous step returned.
 
 Detail mode is on for the whole server with ``SGLANG_LONGGEN_STEP_DETAIL=1`` (or ``=host``), or
 for the steps of requests whose ``custom_params`` hold ``{"longgen_step_detail": true}`` (or
@@ -34,6 +35,8 @@ import os
 import time
 
 import torch
+
+from .gc_pauses import GcPauses
 
 DETAIL_ENV = "SGLANG_LONGGEN_STEP_DETAIL"
 DETAIL_PARAM = "longgen_step_detail"
@@ -62,6 +65,7 @@ class StepTimer:
         self._events: dict[str, list] = {}
         self._finished_at: float | None = None
         self._last_verify_end = None  # the previous step's verify end event (host detail mode)
+        self.gc_pauses = GcPauses()
 
     def _sync(self) -> None:
         if self.cuda:
@@ -129,5 +133,8 @@ class StepTimer:
                 self.values["longgen_gap_verify_draft_ms"] = round(self._last_verify_end.elapsed_time(draft[0]), 3)
         self._last_verify_end = verify[1] if verify is not None and len(verify) == 2 else None
         self._events = {}
+        gc_ms = self.gc_pauses.take()  # since the previous step's end: this step and the scheduler's
+        if self.detail:
+            self.values["longgen_gc_ms"] = round(gc_ms, 3)
         self._finished_at = time.perf_counter()
         return self.values

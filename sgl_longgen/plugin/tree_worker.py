@@ -51,6 +51,7 @@ from .requests import (
     tree_blocker,
 )
 from .spec_inputs import TreeVerifyInput, relay_input
+from .gc_pauses import deferred_gc
 from .host_profile import HostProfile
 from .step_timer import DETAIL_PARAM, StepTimer
 
@@ -324,34 +325,9 @@ class TreeSpecWorker(BaseSpecWorker):
         self._gc({r.rid for r in reqs})
         timer.section("setup")
 
-        trees = self.draft(batch, steps)
-        for step, tree in zip(steps, trees):
-            if step.blocker is not None and len(tree) > 1:
-                raise RuntimeError("draft() must return a root-only tree for blocked requests")
-        timer.phase("draft")
-
-        static = self._static if self._static is not None else self.prepare_verify_static(batch, steps)
-        spec, walk = self._verify_input(steps, trees, static)
-        batch.forward_mode = ForwardMode.TARGET_VERIFY
-        batch.input_ids = spec.draft_token
-        batch.out_cache_loc = static.out_cache_loc
-        batch.spec_info = spec
-        self.prepare_verify(batch, steps, trees)
-        timer.section("verify_inputs")
-        timer.gpu_mark("verify_gpu")
-        res = self._target_worker.forward_batch_generation(batch, is_verify=True)
-        timer.gpu_mark("verify_gpu")
+        with deferred_gc():  # from the draft to the next step's queued draft: see gc_pauses
+            trees, spec, res, readback = self._queue_verify(batch, steps)
         logits_output = res.logits_output
-        self.after_verify_forward(steps, spec, logits_output)
-        timer.section("verify_forward")
-
-        # Queued behind the verify forward: one draw per node, the walk, the commit, their
-        # read-back, and maybe the next draft; the host waits only for the read-back.
-        draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
-        walks = self._walk_and_commit(batch, seq_lens, draws, walk, spec.tree_mask)
-        readback = self._read_back(draws, walks.count)
-        self.chain_draft(batch, steps, trees, walks)
-        timer.section("accept_queue")
         drawn, counts = readback()
         timer.phase("verify")  # ends when the verify forward's draws are on the host
 
@@ -399,6 +375,43 @@ class TreeSpecWorker(BaseSpecWorker):
             speculative_num_draft_tokens=n,
             can_run_cuda_graph=res.can_run_cuda_graph,
         )
+
+    def _queue_verify(self, batch, steps: list[StepRequest]):
+        """Draft, verify forward, then (queued behind it) draws, walk, commit and their read-back.
+
+        Returns the tries, the verify input and forward result, and the wait for the read-back.
+        """
+        timer = self.timer
+        seq_lens = batch.seq_lens  # the verify window starts there (the forward may rebind it)
+        trees = self.draft(batch, steps)
+        for step, tree in zip(steps, trees):
+            if step.blocker is not None and len(tree) > 1:
+                raise RuntimeError("draft() must return a root-only tree for blocked requests")
+        timer.phase("draft")
+
+        static = self._static if self._static is not None else self.prepare_verify_static(batch, steps)
+        spec, walk = self._verify_input(steps, trees, static)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = spec.draft_token
+        batch.out_cache_loc = static.out_cache_loc
+        batch.spec_info = spec
+        self.prepare_verify(batch, steps, trees)
+        timer.section("verify_inputs")
+        timer.gpu_mark("verify_gpu")
+        res = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        timer.gpu_mark("verify_gpu")
+        logits_output = res.logits_output
+        self.after_verify_forward(steps, spec, logits_output)
+        timer.section("verify_forward")
+
+        # Queued behind the verify forward: one draw per node, the walk, the commit, their
+        # read-back, and maybe the next draft; the host waits only for the read-back.
+        draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
+        walks = self._walk_and_commit(batch, seq_lens, draws, walk, spec.tree_mask)
+        readback = self._read_back(draws, walks.count)
+        self.chain_draft(batch, steps, trees, walks)
+        timer.section("accept_queue")
+        return trees, spec, res, readback
 
     def _verify_buffers(self, bs: int) -> "VerifyBuffers":
         buffers = self._verify_bufs.get(bs)

@@ -1,7 +1,9 @@
+import gc
 import time
 
 import torch
 
+from sgl_longgen.plugin.gc_pauses import GcPauses, deferred_gc
 from sgl_longgen.plugin.step_timer import DETAIL_ENV, StepTimer
 
 
@@ -46,9 +48,43 @@ def test_host_mode_times_sections_without_synchronising(monkeypatch):
     timer.gpu_mark("draft_gpu")  # CPU: no events, no GPU span
     values = _step(timer)
     assert timer.detail == "host"
-    assert set(timer.finish()) == {"longgen_a_ms", "longgen_draft_ms", "longgen_verify_ms"}
+    assert set(timer.finish()) == {"longgen_a_ms", "longgen_draft_ms", "longgen_verify_ms", "longgen_gc_ms"}
     assert 2.0 <= values["longgen_a_ms"] <= values["longgen_draft_ms"]
     timer.start(detail="nonsense")  # an unknown setting leaves detail off
     assert timer.detail is None
     monkeypatch.setenv(DETAIL_ENV, "host")
     assert StepTimer(torch.device("cpu")).default_detail == "host"
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_collections_are_deferred_past_the_block_and_their_pauses_measured():
+    pauses = GcPauses()
+    try:
+        assert gc.isenabled()
+        gc.collect()
+        pauses.take()
+        threshold = gc.get_threshold()[0]
+        with deferred_gc():
+            assert not gc.isenabled()
+            before = gc.get_count()[0]
+            garbage = [_Cycle() for _ in range(3 * threshold)]  # enough allocations to trigger one
+            assert gc.get_count()[0] >= before + 3 * threshold  # none ran
+            del garbage
+        assert gc.isenabled()
+        [_Cycle() for _ in range(3 * threshold)]  # now one runs
+        gc.collect()
+        assert pauses.take() > 0.0
+        assert pauses.take() == 0.0  # taken
+        gc.disable()
+        try:
+            with deferred_gc():  # a collector turned off stays off
+                pass
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        pauses.close()
