@@ -1,32 +1,15 @@
-"""Python's cyclic garbage collector around a speculative step: measured, and kept off the
-stretch where the device waits for the host.
+"""Pauses of Python's cyclic garbage collector, for the step timer's detail mode.
 
-A scheduler process holds millions of objects, so a full collection takes milliseconds. Between
-the draft's end and the verify's launch the GPU is idle until the host has built the tries and
-the verify inputs; a collection that falls there adds its whole pause to the step. Deferred
-(:func:`deferred_gc`), the same collection runs at the first allocation after the block, while
-the verify forward keeps the device busy. :class:`GcPauses` measures the pauses for the step
-timer's detail mode.
+A scheduler process holds millions of objects, so a full collection takes milliseconds; one that
+falls between the draft's end and the verify's launch (the device waits for the host there)
+adds its whole pause to the step. Reported per step, so a slow step can be told from one that
+collected.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from contextlib import contextmanager
-
-
-@contextmanager
-def deferred_gc():
-    """No automatic collection inside the block (a pending one runs after it)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 class GcPauses:

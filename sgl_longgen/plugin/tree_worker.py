@@ -51,7 +51,6 @@ from .requests import (
     tree_blocker,
 )
 from .spec_inputs import TreeVerifyInput, relay_input
-from .gc_pauses import deferred_gc
 from .host_profile import HostProfile
 from .step_timer import DETAIL_PARAM, StepTimer
 
@@ -325,8 +324,7 @@ class TreeSpecWorker(BaseSpecWorker):
         self._gc({r.rid for r in reqs})
         timer.section("setup")
 
-        with deferred_gc():  # from the draft to the next step's queued draft: see gc_pauses
-            trees, spec, res, readback = self._queue_verify(batch, steps)
+        trees, spec, res, readback = self._queue_verify(batch, steps)
         logits_output = res.logits_output
         drawn, counts = readback()
         timer.phase("verify")  # ends when the verify forward's draws are on the host
