@@ -417,9 +417,11 @@ class TreeSpecWorker(BaseSpecWorker):
             buffers = self._verify_bufs[bs] = VerifyBuffers(bs, self.num_nodes, self.device)
         return buffers
 
-    def _verify_input(self, steps: list[StepRequest], trees: list[DraftTree],
-                      static: VerifyStatic) -> tuple[TreeVerifyInput, WalkInputs]:
-        """Pad each trie to ``num_nodes``: padding nodes hang off the root and are never walked."""
+    def fill_verify_inputs(self, steps: list[StepRequest], trees: list[DraftTree]) -> "VerifyBuffers":
+        """The tries' verify inputs in the page-locked host buffer (nothing queued on the device).
+
+        Each trie is padded to ``num_nodes``: padding nodes hang off the root and are never walked.
+        """
         n = self.num_nodes
         buf = self._verify_buffers(len(trees))
         tokens, positions, parents, walk_tokens = buf.ints
@@ -436,6 +438,12 @@ class TreeSpecWorker(BaseSpecWorker):
             positions[b] += step.seq_len
             parents[b] = [0, *tree.parents[1:]] + [0] * pad
             walk_tokens[b] = [-1, *tree.tokens[1:walkable]] + [-1] * (n - walkable)
+        return buf
+
+    def _verify_input(self, steps: list[StepRequest], trees: list[DraftTree],
+                      static: VerifyStatic) -> tuple[TreeVerifyInput, WalkInputs]:
+        n = self.num_nodes
+        buf = self.fill_verify_inputs(steps, trees)
         buf.device.copy_(buf.host, non_blocking=True)
         if static.custom_mask is not None:
             for b, (step, offset) in enumerate(zip(steps, static.mask_offsets)):
