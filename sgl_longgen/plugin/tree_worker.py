@@ -97,7 +97,9 @@ class VerifyBuffers:
     (bool ``[bs, N, N]``): one host-to-device copy per step, and no tensor views to make on the
     step's critical path (between the draft's candidates and the verify forward). Reuse is safe
     for the same reason as :meth:`TreeSpecWorker.staging`: each step waits for the read-back of
-    its draws, queued after the verify forward and the walk, the only readers.
+    its draws, queued after the verify forward and the walk, the only readers; any later write to
+    the host buffer (the next step's, or a method's rehearsal of it while its draft runs) comes
+    after that wait.
     """
 
     def __init__(self, bs: int, n: int, device: torch.device):
