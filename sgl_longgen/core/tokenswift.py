@@ -101,9 +101,7 @@ def draft_trie(
     tree.add_cartesian(cartesian_rows(candidates, branching), Source.HEADS, max_nodes)
     if pool is not None and candidates and candidates[0]:
         conts = pool.lookup(candidates[0][0])
-        if conts:
-            (d1,) = tree.add_path(candidates[0][:1], Source.NGRAM, max_nodes=max_nodes) or (None,)
-            if d1 is not None:
-                for cont in conts:
-                    tree.add_path(cont, Source.NGRAM, max_nodes=max_nodes, below=d1)
+        first = tree.add_path(candidates[0][:1], Source.NGRAM, max_nodes=max_nodes) if conts else []
+        for cont in conts if first else ():
+            tree.add_path(cont, Source.NGRAM, max_nodes=max_nodes, below=first[0])
     return tree

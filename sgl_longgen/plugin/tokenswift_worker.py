@@ -105,6 +105,11 @@ class TokenSwiftWorker(TreeSpecWorker):
         self._last_candidates: tuple[list, list] | None = None  # for _rehearse
         self._chained: tuple | None = None  # a draft queued by chain_draft, for draft_ahead
         self._steady_fixed: dict[int, tuple] = {}  # batch size -> steady draft's constant inputs
+        self._fused_steady = None  # the steady draft inputs' kernel, where the walk is fused too
+        if self._fused_accept is not None:
+            from ..kernels.tree_accept import steady_draft_inputs
+
+            self._fused_steady = steady_draft_inputs
         self._ahead_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- state ------------------------------------------------------------------------------------
@@ -291,10 +296,8 @@ class TokenSwiftWorker(TreeSpecWorker):
                 torch.arange(kv_len - 1, device=dev))
         indptr, kv_lens, kv_lens_cpu, offsets = fixed
         selected = selected[0][None] if bs == 1 else torch.stack(selected)
-        if self._fused_accept is not None:  # a GPU: one kernel (see tree_worker._walk_and_commit)
-            from ..kernels.tree_accept import steady_draft_inputs
-
-            slots, root_slots, input_ids, lengths = steady_draft_inputs(
+        if self._fused_steady is not None:
+            slots, root_slots, input_ids, lengths = self._fused_steady(
                 table, batch.req_pool_indices, batch.seq_lens, walks.count, sel_lens, selected, walks.last,
                 self.partial_kv.sinks, self.partial_kv.budget)
         else:

@@ -82,14 +82,6 @@ class VerifyStatic:
     mask_offsets: list[int]  # where each request's [N, seq_len + N] block starts
 
 
-@dataclass
-class WalkInputs:
-    """Per-node tree structure for :func:`walk_trees`, on the device (``[bs, N]`` int64)."""
-
-    parents: torch.Tensor
-    tokens: torch.Tensor  # a node's token where a walk may enter it, else -1
-
-
 class VerifyBuffers:
     """One batch size's verify inputs: a page-locked host buffer, its device copy, their views.
 
@@ -110,6 +102,8 @@ class VerifyBuffers:
         self.masks = self.host[mask_at:].numpy().view(np.bool_).reshape(bs, n, n)
         ints = self.device[:mask_at].view(torch.int64).view(4, bs, n)
         self.draft_token, self.positions = ints[0].flatten(), ints[1].flatten()
+        # What walk_trees reads besides the ancestor masks: each node's parent, and its token
+        # where a walk may enter it (else -1).
         self.parents, self.walk_tokens = ints[2], ints[3]
         self.tree_mask = self.device[mask_at:].view(torch.bool).view(bs, n, n)
 
@@ -326,7 +320,7 @@ class TreeSpecWorker(BaseSpecWorker):
         self._gc({r.rid for r in reqs})
         timer.section("setup")
 
-        trees, spec, res, readback = self._queue_verify(batch, steps)
+        trees, spec, res, readback = self._queue_verify(batch, steps, seq_lens)
         logits_output = res.logits_output
         drawn, counts = readback()
         timer.phase("verify")  # ends when the verify forward's draws are on the host
@@ -376,13 +370,14 @@ class TreeSpecWorker(BaseSpecWorker):
             can_run_cuda_graph=res.can_run_cuda_graph,
         )
 
-    def _queue_verify(self, batch, steps: list[StepRequest]):
+    def _queue_verify(self, batch, steps: list[StepRequest], seq_lens: torch.Tensor):
         """Draft, verify forward, then (queued behind it) draws, walk, commit and their read-back.
 
-        Returns the tries, the verify input and forward result, and the wait for the read-back.
+        ``seq_lens``: where the verify windows start (taken before the forward, which may rebind
+        ``batch.seq_lens``). Returns the tries, the verify input and forward result, and the wait
+        for the read-back.
         """
         timer = self.timer
-        seq_lens = batch.seq_lens  # the verify window starts there (the forward may rebind it)
         trees = self.draft(batch, steps)
         for step, tree in zip(steps, trees):
             if step.blocker is not None and len(tree) > 1:
@@ -390,7 +385,7 @@ class TreeSpecWorker(BaseSpecWorker):
         timer.phase("draft")
 
         static = self._static if self._static is not None else self.prepare_verify_static(batch, steps)
-        spec, walk = self._verify_input(steps, trees, static)
+        spec, inputs = self._verify_input(steps, trees, static)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = spec.draft_token
         batch.out_cache_loc = static.out_cache_loc
@@ -407,7 +402,7 @@ class TreeSpecWorker(BaseSpecWorker):
         # Queued behind the verify forward: one draw per node, the walk, the commit, their
         # read-back, and maybe the next draft; the host waits only for the read-back.
         draws = self._draw(batch, steps, trees, logits_output.next_token_logits)
-        walks = self._walk_and_commit(batch, seq_lens, draws, walk, spec.tree_mask)
+        walks = self._walk_and_commit(batch, seq_lens, draws, inputs)
         readback = self._read_back(draws, walks.count)
         self.chain_draft(batch, steps, trees, walks)
         timer.section("accept_queue")
@@ -443,7 +438,7 @@ class TreeSpecWorker(BaseSpecWorker):
         return buf
 
     def _verify_input(self, steps: list[StepRequest], trees: list[DraftTree],
-                      static: VerifyStatic) -> tuple[TreeVerifyInput, WalkInputs]:
+                      static: VerifyStatic) -> tuple[TreeVerifyInput, "VerifyBuffers"]:
         n = self.num_nodes
         buf = self.fill_verify_inputs(steps, trees)
         buf.device.copy_(buf.host, non_blocking=True)
@@ -455,7 +450,7 @@ class TreeSpecWorker(BaseSpecWorker):
             draft_token=buf.draft_token, positions=buf.positions, tree_mask=buf.tree_mask,
             custom_mask=static.custom_mask, draft_token_num=n, capture_hidden_mode=self.capture_hidden_mode,
         )
-        return spec, WalkInputs(buf.parents, buf.walk_tokens)
+        return spec, buf
 
     def _draw(self, batch, steps: list[StepRequest], trees: list[DraftTree], logits: torch.Tensor) -> torch.Tensor:
         """One token per node, each from that node's exact target distribution: ``[bs, N]``.
@@ -529,19 +524,19 @@ class TreeSpecWorker(BaseSpecWorker):
 
         return wait
 
-    def _walk_and_commit(self, batch, seq_lens: torch.Tensor, draws: torch.Tensor, walk: WalkInputs,
-                         ancestors: torch.Tensor) -> TreeWalks:
+    def _walk_and_commit(self, batch, seq_lens: torch.Tensor, draws: torch.Tensor,
+                         inputs: "VerifyBuffers") -> TreeWalks:
         """The device walk of every trie, and each walked path's KV put at the front of its window.
 
         On a GPU one fused kernel does both (:mod:`sgl_longgen.kernels.tree_accept`): the ~20
         small torch ops would each leave the device idle for a launch between the two forwards.
         """
         if self._fused_accept is not None:
-            count, last, order = self._fused_accept(draws, walk.parents, walk.tokens, ancestors,
+            count, last, order = self._fused_accept(draws, inputs.parents, inputs.walk_tokens, inputs.tree_mask,
                                                     batch.req_to_token_pool.req_to_token,
                                                     batch.req_pool_indices, seq_lens)
             return TreeWalks(count, last, order)
-        walks = walk_trees(draws, walk.parents, walk.tokens, ancestors)
+        walks = walk_trees(draws, inputs.parents, inputs.walk_tokens, inputs.tree_mask)
         self._commit_paths(batch, seq_lens, walks)
         return walks
 
