@@ -10,7 +10,9 @@
 A checkpoint is written to a temporary file, fsynced and renamed over the old one, so a reader
 sees the old or the new checkpoint, never half of one. A record is one ``write`` of one line to a
 file opened for appending, then fsynced; a driver killed in the middle of that write leaves an
-unterminated last line, which the next run cuts off before it appends anything.
+unterminated last line, which the next run cuts off before it appends anything. A driver killed
+between creating a checkpoint's temporary file and renaming it leaves that file behind; the next
+run, once it holds the lock, deletes it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class Checkpoint(msgspec.Struct, kw_only=True):
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+# What ``atomic_write`` leaves of a checkpoint when killed before its rename: ``.NAME.json.XXXX.tmp``.
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{16}\.json\.[^.]+\.tmp")
 
 
 class CheckpointStore:
@@ -121,6 +125,23 @@ class CheckpointStore:
             self.path(rid).unlink()
         except FileNotFoundError:
             pass
+
+    def remove_temporaries(self) -> list[Path]:
+        """Delete half-written checkpoints left by a killed driver; returns what was deleted.
+
+        Only the driver holding the output directory's lock may call this: another driver's
+        temporary files are checkpoints about to be renamed into place. Files of other programs
+        (anything not named as ``atomic_write`` names a checkpoint's temporary) are left alone.
+        """
+        removed = []
+        for p in self.dir.glob(".*.tmp"):
+            if _TEMPORARY.fullmatch(p.name):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    continue
+                removed.append(p)
+        return removed
 
     def ids(self) -> list[str]:
         out = []

@@ -31,11 +31,18 @@ class BadLine:
         return f"line {self.line}: {self.reason}"
 
 
+def _where(exc: json.JSONDecodeError) -> str:
+    """The decoder's message with the column: some of its messages already end in "at"
+    ("Unterminated string starting at"), and the column completes them."""
+    at = "" if exc.msg.endswith(" at") else " at"
+    return f"{exc.msg}{at} column {exc.colno}"
+
+
 def _parse(text: str, lineno: int) -> Prompt:
     try:
         rec = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise ValueError(f"not valid JSON ({_where(exc)})") from None
     if not isinstance(rec, dict):
         raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
     if "id" not in rec:

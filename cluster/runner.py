@@ -10,7 +10,6 @@ A job with nothing left to do never starts Ray.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
@@ -18,9 +17,10 @@ import time
 import uuid
 from typing import Any, TextIO
 
+from .. import env
 from ..errors import LonggenError
 from .checkpoint import SUMMARY, CheckpointStore, OutputLock, RecordLog, atomic_write, check_manifest, prompt_key
-from .engines import NAMESPACE
+from .engine_common import NAMESPACE
 from .progress import BatchProgress, format_summary
 from .prompts import read_prompts
 from .scheduler import Request, Scheduler
@@ -52,9 +52,13 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> bool:
 
 
 def _runtime_env() -> dict | None:
-    """Settings engines on other nodes need from the driver's environment."""
-    env = {k: os.environ[k] for k in ("SGL_LONGGEN_HOME",) if k in os.environ}
-    return {"env_vars": env} if env else None
+    """Settings engines on other nodes need from the driver's environment.
+
+    Engines get the home under its current name, even when the driver still has it under the old
+    one (``env.get`` warns about that once, here), so they build embedded models where it does.
+    """
+    home = env.get("HOME")
+    return {"env_vars": {env.name("HOME"): home}} if home is not None else None
 
 
 def run_job(job: Job, *, address: str | None = None, num_cpus: int | None = None, retry_errors: bool = False,
@@ -76,6 +80,7 @@ def run_job(job: Job, *, address: str | None = None, num_cpus: int | None = None
         check_manifest(output_dir, job.name, job.settings())
         records = RecordLog(output_dir)
         store = CheckpointStore(output_dir)
+        store.remove_temporaries()  # under the lock: no other driver is writing them
         if records.repaired:
             print(f"sgl-longgen: warning: {records.path}: dropped an unfinished last line ({records.repaired} bytes) "
                   "left by an interrupted run", file=stream)

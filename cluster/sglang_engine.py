@@ -14,7 +14,9 @@ builds a draft directory of its own: links to the heads' files plus a ``longgen.
 job's effective settings. The contextual penalty also rides on each request as ``custom_params``
 (with plain decoding, through the plugin's ``ContextualPenaltyProcessor``).
 
-``sglang`` is imported in the actor only, so the driver and the reference runtime never pay for it.
+SGLang is reached only through :mod:`sgl_longgen.sglang.engine`, the one package that imports it,
+and only inside the actor: the driver imports this module (to name the actor class) and must not
+pay for SGLang, nor break where it is not installed.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import msgspec
 
 from ..config import GenerateConfig, to_dict
 from ..errors import LonggenError
-from .engines import effective_config, finished_early, ray_node
+from .engine_common import effective_config, finished_early, ray_node
 from .messages import EngineInfo, Finished, Progress, Segment, Task
 
 ALGORITHM = "TOKENSWIFT"
@@ -74,9 +76,9 @@ def request_args(config: GenerateConfig, max_new_tokens: int) -> dict[str, Any]:
     if s.penalty_active:
         params["custom_params"] = {"penalty": s.penalty, "penalty_window": s.penalty_window}
         if config.method != "tokenswift":
-            from ..plugin.penalty_processor import ContextualPenaltyProcessor
+            from ..sglang.engine import penalty_processor  # imports SGLang: called in the actor only
 
-            args["custom_logit_processor"] = ContextualPenaltyProcessor.to_str()
+            args["custom_logit_processor"] = penalty_processor()
     return args
 
 
@@ -136,10 +138,10 @@ class SGLangEngine:
         if self.config.method == "tokenswift" and heads_dir is not None:
             draft = str(draft_dir_for(heads_dir, self.config))
 
-        import sglang  # heavy; only engine actors of this runtime import it
+        from ..sglang.engine import open_engine  # heavy; only engine actors of this runtime import it
 
         self.kwargs = engine_kwargs(model_path, draft, self.config, tp_size, dict(sglang_kwargs or {}))
-        self.engine = sglang.Engine(**self.kwargs)
+        self.engine = open_engine(**self.kwargs)
         self.incremental = bool(getattr(self.engine.server_args, "incremental_streaming_output", False))
         self.tokens_generated = 0
 

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ..config import GenerateConfig, RuntimeConfig, SamplingConfig, TokenSwiftConfig, merge
+from ..config import GenerateConfig, RuntimeConfig, SamplingConfig, Strict, TokenSwiftConfig, merge
 from ..errors import LonggenError
 
 PosInt = Annotated[int, Meta(ge=1)]
@@ -33,11 +33,7 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0.0)]
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class EnginesSpec(_Strict):
+class EnginesSpec(Strict):
     """How many engine replicas, and what each one reserves.
 
     One engine is one Ray actor in its own placement group. With ``runtime = "sglang"`` an engine
@@ -56,7 +52,7 @@ class EnginesSpec(_Strict):
     max_restarts: NonNegInt = 3
 
 
-class SGLangSpec(_Strict):
+class SGLangSpec(Strict):
     """Settings of ``runtime = "sglang"``."""
 
     # Passed verbatim to ``sglang.Engine`` (mem_fraction_static, attention_backend, context_length,
@@ -64,7 +60,7 @@ class SGLangSpec(_Strict):
     engine_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class JobSpec(_Strict, kw_only=True):
+class JobSpec(Strict, kw_only=True):
     """A batch of long generations. See ``configs/tiny_batch.toml`` for an annotated example."""
 
     name: str = ""  # default: the job file's name without its suffix

@@ -24,11 +24,11 @@ are the draft tokens' own K/V; ``tree_mask [bs, T, T]`` is True where token ``i`
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from .. import env
 from .folded_decode import FoldedPrefixDecode, fold_supported, workspace_bytes
 from .merge import folded_strides, merge_split_states, merge_two_states_strided, token_head_strides
 from .prefix_attention import PrefixKernelConfig, prefix_attention_partials, prefix_kernel_config
@@ -37,9 +37,9 @@ from .tree_attention import tree_attention
 PREFIX_BACKENDS = ("auto", "triton", "flashinfer_fold")
 
 # "auto" folds trees up to this size into FlashInfer's decode (when it fits); larger ones use Triton.
-DEFAULT_FOLD_MAX_TREE = int(os.environ.get("SGL_LONGGEN_FOLD_MAX_TREE", "32"))
+DEFAULT_FOLD_MAX_TREE = int(env.get("FOLD_MAX_TREE", "32"))
 # Upper bound of the scratch space the folded path may allocate (FlashInfer plans it generously).
-DEFAULT_FOLD_WORKSPACE_MB = int(os.environ.get("SGL_LONGGEN_FOLD_WORKSPACE_MB", "1024"))
+DEFAULT_FOLD_WORKSPACE_MB = int(env.get("FOLD_WORKSPACE_MB", "1024"))
 
 
 class HybridTreeAttention:
@@ -51,7 +51,7 @@ class HybridTreeAttention:
         prefix_backend: ``"triton"``, ``"flashinfer_fold"`` or ``"auto"`` (fold when FlashInfer
             can serve the shape, the tree has at most ``fold_max_tree_size`` tokens and the
             scratch space fits ``fold_workspace_mb``; Triton otherwise). Env default:
-            ``SGL_LONGGEN_PREFIX_BACKEND``.
+            ``SGLANG_LONGGEN_PREFIX_BACKEND``.
         use_cuda_graph: keep every launch shape independent of the prefix lengths; the folded
             path then needs ``graph_kv_indptr_buf``/``graph_kv_indices_buf``, the device buffers
             that ``plan`` will receive on every replay.
@@ -76,7 +76,7 @@ class HybridTreeAttention:
     ) -> None:
         if num_qo_heads % num_kv_heads:
             raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
-        prefix_backend = prefix_backend or os.environ.get("SGL_LONGGEN_PREFIX_BACKEND", "auto")
+        prefix_backend = prefix_backend or env.get("PREFIX_BACKEND", "auto")
         if prefix_backend not in PREFIX_BACKENDS:
             raise ValueError(f"prefix_backend must be one of {PREFIX_BACKENDS}, got {prefix_backend!r}")
         self.num_qo_heads = num_qo_heads

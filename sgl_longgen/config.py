@@ -21,11 +21,17 @@ PosInt = Annotated[int, Meta(ge=1)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The base of every settings struct of the project (generation, batch jobs, trainers).
+
+    One base, so every settings file a user writes follows the same rule: an unknown key (a typo)
+    is an error that names it, never a setting silently left at its default. msgspec does not
+    pass ``kw_only`` on to subclasses' own fields: a struct with a required field after optional
+    ones says ``kw_only=True`` itself (as ``JobSpec`` does).
+    """
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(Strict):
     """The target distribution: what plain decoding would sample from.
 
     ``temperature == 0`` means greedy: the argmax of the penalized logits. ``penalty`` is
@@ -54,7 +60,7 @@ class SamplingConfig(_Strict):
         return self.penalty > 1.0 and self.penalty_window > 0
 
 
-class NgramConfig(_Strict):
+class NgramConfig(Strict):
     """Token reutilization: n-grams of the history proposed as extra draft paths."""
 
     enabled: bool = True
@@ -65,7 +71,7 @@ class NgramConfig(_Strict):
     exclude_penalty_window: bool = True
 
 
-class PartialKVConfig(_Strict):
+class PartialKVConfig(Strict):
     """Dynamic partial KV cache for the draft forward (TokenSwift Eq. 2)."""
 
     budget: PosInt = 4096
@@ -79,7 +85,7 @@ class PartialKVConfig(_Strict):
             raise ValueError(f"sinks ({self.sinks}) must be smaller than budget ({self.budget})")
 
 
-class TokenSwiftConfig(_Strict):
+class TokenSwiftConfig(Strict):
     """Multi-head self-drafting with n-gram reuse and a dynamic partial KV cache."""
 
     tree: list[PosInt] = msgspec.field(default_factory=lambda: [1, 3, 3, 3])
@@ -100,7 +106,7 @@ class TokenSwiftConfig(_Strict):
         return len(self.tree) - 1
 
 
-class OwlConfig(_Strict):
+class OwlConfig(Strict):
     """OWL: an LSTM drafter conditioned on the last accepted state expands an EAGLE-style tree.
 
     The tree is a beam over the drafter: ``top_k`` children per node and ``top_k`` frontier nodes
@@ -126,7 +132,7 @@ class OwlConfig(_Strict):
     beam: Literal["fused", "compiled", "torch"] = "fused"
 
 
-class SuffixConfig(_Strict):
+class SuffixConfig(Strict):
     """SuffixDecoding's linear drafts: the most frequent continuation of the context's suffix.
 
     Indexed: the request's prompt and output (and, with ``global_requests > 0``, the outputs of
@@ -145,7 +151,7 @@ class SuffixConfig(_Strict):
     global_requests: NonNegInt = 0
 
 
-class HowlConfig(_Strict):
+class HowlConfig(Strict):
     """HOWL: a linear suffix draft when its score exceeds ``threshold`` (c), else an OWL tree.
 
     The default c = 9 is the longest acceptance an OWL tree of depth 8 can reach (8 drafts + the
@@ -155,7 +161,7 @@ class HowlConfig(_Strict):
     threshold: Annotated[float, Meta(ge=0.0)] = 9.0
 
 
-class RuntimeConfig(_Strict):
+class RuntimeConfig(Strict):
     """The pure-PyTorch reference runtime."""
 
     # float64 by default: the reference runtime is the losslessness oracle, and in float64 the
@@ -165,7 +171,7 @@ class RuntimeConfig(_Strict):
     threads: NonNegInt = 0  # 0: leave torch's default
 
 
-class GenerateConfig(_Strict):
+class GenerateConfig(Strict):
     """Everything ``sgl-longgen generate`` needs besides the model and the prompt."""
 
     method: Literal["ar", "tokenswift", "owl", "howl"] = "tokenswift"

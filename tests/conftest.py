@@ -1,21 +1,18 @@
 """Session-wide test environment.
 
-On a machine without a GPU, SGLang runs on its CPU engine (``SGLANG_USE_CPU_ENGINE=1``) with a
-test-only import shim for ``sgl_kernel`` (``tests/shim``), whose PyPI wheel needs CUDA. Both must
-be in place before anything imports SGLang, and must reach the processes SGLang spawns.
+On a machine without a GPU, SGLang runs on its CPU engine (``SGLANG_USE_CPU_ENGINE=1``); the
+plugin puts its ``sgl_kernel`` stand-in in place when the real one cannot load, as it does for a
+user's server. Here that happens before any test imports SGLang's modules directly.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-SHIM = Path(__file__).parent / "shim"
-
 if not torch.cuda.is_available():
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    sys.path.insert(0, str(SHIM))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH")) if p)
+    from sgl_longgen.sglang.cpu import install_stand_in
+
+    install_stand_in()

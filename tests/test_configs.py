@@ -30,3 +30,21 @@ def test_job_loads(path):
     prompts, bad = read_prompts(job.input_path)
     assert prompts and not bad
     assert isinstance(job.generate_config(), GenerateConfig)
+
+
+def test_every_settings_struct_refuses_unknown_keys():
+    """One strict base for generation, batch and trainer settings: a typo fails in every file alike."""
+    import msgspec
+
+    from sgl_longgen import config
+    from sgl_longgen.cluster import spec
+    from sgl_longgen.training import config as train_config, owl, proxy
+
+    structs = [obj for module in (config, spec, train_config, owl, proxy) for obj in vars(module).values()
+               if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__]
+    assert len(structs) > 20
+    assert [s.__name__ for s in structs if not issubclass(s, config.Strict)] == []
+    assert config.Strict.__struct_config__.forbid_unknown_fields
+    for cls in (spec.EnginesSpec, train_config.DataConfig, owl.OwlShape, proxy.ProxyConfig):
+        with pytest.raises(msgspec.ValidationError, match="unknown field `typo`"):
+            msgspec.convert({"typo": 1}, cls)

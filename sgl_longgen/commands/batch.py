@@ -61,23 +61,29 @@ def add_parser(sub) -> None:
         q.set_defaults(run=fn)
 
 
-def _sigterm_to_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def run_cmd(args: argparse.Namespace) -> int:
     from ..cluster.runner import run_job
     from ..cluster.spec import load_job
 
     overrides = {"output_dir": str(Path(args.output_dir).expanduser().resolve())} if args.output_dir else None
     job = load_job(args.job, overrides)
-    # `ray job stop` and schedulers send SIGTERM: checkpoint what was received, then leave.
-    signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    # `ray job stop` and schedulers send SIGTERM: checkpoint what was received, then leave. The
+    # run sees SIGTERM as Ctrl-C (one clean way out), so which signal came is noted here: the
+    # exit status is 128 + its number, as a shell reports a process that signal ended.
+    received = [signal.SIGINT]
+
+    def on_sigterm(signum, frame):
+        received.append(signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         summary = run_job(job, address=args.address, num_cpus=args.num_cpus, retry_errors=args.retry_errors,
                           live=False if args.no_progress else None)
     except KeyboardInterrupt:
-        return 130
+        return 128 + received[-1]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     ok = summary["unfinished"] == 0 and summary["errors"] == 0 and not summary["bad_lines"]
     return 0 if ok else 1
 

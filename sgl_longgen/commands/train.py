@@ -9,32 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 from pathlib import Path
 from typing import Any
 
 from ..runtime.embedded import names as embedded_names
+from ..training.command import command_line
 from ..training.config import HeadsLoopConfig, HeadsOptimConfig, LoopConfig, OptimConfig
-
-
-def command_line(args: argparse.Namespace, words: tuple[str, ...]) -> str:
-    """The run as one canonical command (every flag given, defaults left out), recorded with
-    each checkpoint; every flag here is ``--`` + its dest with dashes."""
-    parts = ["sgl-longgen", *words]
-    for dest, value in vars(args).items():
-        if dest in _NOT_FLAGS or value is None or value is False:
-            continue
-        flag = "--" + dest.replace("_", "-")
-        if value is True:
-            parts.append(flag)
-        elif isinstance(value, list):
-            parts += [flag, *map(str, value)]
-        else:
-            parts += [flag, str(value)]
-    return " ".join(shlex.quote(p) for p in parts)
-
-
-_NOT_FLAGS = {"run", "command", "trainer"}
 
 
 def overrides(args: argparse.Namespace, mapping: dict[str, tuple[str, ...]]) -> dict[str, Any]:
@@ -74,7 +54,7 @@ def _add_loop_args(p: argparse.ArgumentParser, loop: LoopConfig | None = None, o
     d.add_argument("--data", nargs="+", metavar="SRC", help="files, directories or 'stdlib' (default: stdlib)")
     d.add_argument("--glob", help="file pattern inside data directories (default *.py)")
     d.add_argument("--val-fraction", type=float)
-    d.add_argument("--cache-dir", help="tokenized-corpus cache (default $SGL_LONGGEN_HOME/tokens)")
+    d.add_argument("--cache-dir", help="tokenized-corpus cache (default $SGLANG_LONGGEN_HOME/tokens)")
     p.add_argument("--config", type=Path, help="TOML file with the trainer's settings (flags override it)")
 
 

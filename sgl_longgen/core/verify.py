@@ -7,7 +7,9 @@ Two rules, both exact samplers of the target distribution:
   if a child holds that token move there, otherwise emit it as the bonus and stop. Every emitted
   token is an honest draw from the target conditional on what was emitted before, whatever the
   tree held. (Drawing once per *path* and keeping the longest match, as upstream TokenSwift does,
-  gives the draft many chances per node and is biased toward it.)
+  gives the draft many chances per node and is biased toward it.) Engines draw at every node at
+  once (:func:`draw_tree`) and then walk: the draws are independent, and the walk reads only
+  those on its path, each drawn from its node's distribution, so the result is the same.
 * :func:`verify_chain` for a chain drafted by *sampling* from a draft distribution q: the
   standard rejection rule (accept x with probability min(1, p(x)/q(x)), else draw from the
   normalised residual max(p - q, 0)).
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .penalty import window_tokens
+from .penalty import tree_window_mask
 from .sampling import LogitsProcessor
 from .tree import DraftTree
 
@@ -42,8 +44,8 @@ class Verdict:
 def walk_tree(tree: DraftTree, draw: Callable[[int], int]) -> Verdict:
     """The per-node walk. ``draw(node)`` returns one token from that node's target distribution.
 
-    ``draw`` is called at most once per node and only on the walked path, so the processed
-    distribution (with its per-node penalty window) is computed for those nodes only.
+    ``draw`` is called at most once per node and only on the walked path (a lookup into
+    :func:`draw_tree`'s draws, or a lazy draw).
     """
     node, nodes, tokens, drawn = 0, [0], [], {}
     while True:
@@ -91,9 +93,25 @@ def walk_trees(draws: torch.Tensor, parents: torch.Tensor, walk_tokens: torch.Te
     return TreeWalks(count, last, order)
 
 
-def node_windows(tree: DraftTree, nodes: Sequence[int], history: Sequence[int], window: int) -> list[list[int]]:
-    """Penalty windows of the given nodes: the last ``window`` tokens of history + node path."""
-    return [window_tokens(history, tree.path_tokens(n), window) for n in nodes]
+def draw_tree(
+    rows: torch.Tensor,
+    tree: DraftTree,
+    processor: LogitsProcessor,
+    history: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per walkable node, each from that node's exact target distribution: ``[W]``.
+
+    ``rows``: the target's logits after each walkable node (``[W, V]``, ``W = tree.num_walkable``;
+    leaves are never drawn from). ``history`` is the committed context *including the root
+    token*; each node's penalty window extends it with the node's own path, exactly as plain
+    decoding would see it. Both runtimes verify through this and :func:`walk_tree`.
+    """
+    mask = None
+    if processor.params.penalty_active:
+        paths = [tree.path_tokens(i) for i in range(rows.shape[0])]
+        mask = tree_window_mask(history, paths, processor.params.penalty_window, processor.vocab_size, rows.device)
+    return processor.sample(rows, mask, generator)
 
 
 def verify_tree(
@@ -103,18 +121,9 @@ def verify_tree(
     history: Sequence[int],
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """Walk ``tree`` with target ``logits`` (``[len(tree), V]``, row i = after node i).
-
-    ``history`` is the committed context *including the root token*; each node's penalty window
-    extends it with the node's own path, exactly as plain decoding would see it.
-    """
-    window = processor.params.penalty_window if processor.params.penalty_active else 0
-
-    def draw(node: int) -> int:
-        windows = node_windows(tree, [node], history, window) if window else None
-        return int(processor.sample(logits[node : node + 1], windows, generator)[0])
-
-    return walk_tree(tree, draw)
+    """Draw at every node of ``tree`` (``logits``: ``[len(tree), V]``, row i = after node i) and walk."""
+    draws = draw_tree(logits[: tree.num_walkable], tree, processor, history, generator).tolist()
+    return walk_tree(tree, draws.__getitem__)
 
 
 def verify_chain(

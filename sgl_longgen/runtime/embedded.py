@@ -11,7 +11,6 @@ per-model defaults in ``tokenswift-heads/``, and a random-init OWL drafter in ``
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .. import env
 from ..core.heads import TokenSwiftHeads
 from ..core.owl import OwlDrafter
 from ..errors import LonggenError
@@ -99,7 +99,7 @@ def shipped_model(name: str) -> Path | None:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("SGL_LONGGEN_HOME")
+    root = env.get("HOME")
     return Path(root) if root else Path.home() / ".cache" / "sgl-longgen"
 
 

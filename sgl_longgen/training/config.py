@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ..config import convert, load_toml, merge
+from ..config import Strict, convert, load_toml, merge
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -21,11 +21,7 @@ PosFloat = Annotated[float, Meta(gt=0.0)]
 Fraction = Annotated[float, Meta(ge=0.0, lt=1.0)]
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class DataConfig(_Strict):
+class DataConfig(Strict):
     """Where training text comes from.
 
     ``sources``: files (``.jsonl``: one ``{"text": ...}`` per line; anything else: one document),
@@ -37,17 +33,17 @@ class DataConfig(_Strict):
     sources: list[str] = msgspec.field(default_factory=lambda: ["stdlib"])
     glob: str = "*.py"
     val_fraction: Fraction = 0.02
-    cache_dir: str = ""  # tokenized corpora; "" = $SGL_LONGGEN_HOME/tokens
+    cache_dir: str = ""  # tokenized corpora; "" = $SGLANG_LONGGEN_HOME/tokens
 
 
-class TokenizerConfig(_Strict):
+class TokenizerConfig(Strict):
     """Byte-level BPE trained on the training split (ids 0 and 1 are BOS and EOS)."""
 
     vocab_size: Annotated[int, Meta(ge=260, le=65536)] = 8192
     min_frequency: PosInt = 2
 
 
-class ModelShape(_Strict):
+class ModelShape(Strict):
     """A Llama decoder (GQA, RoPE, SwiGLU, RMSNorm); these are HF ``config.json`` fields."""
 
     hidden_size: PosInt = 256
@@ -69,7 +65,7 @@ class ModelShape(_Strict):
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
 
 
-class OptimConfig(_Strict):
+class OptimConfig(Strict):
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
 
     lr: PosFloat = 2e-3
@@ -89,7 +85,7 @@ class HeadsOptimConfig(OptimConfig):
     min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
 
 
-class LoopConfig(_Strict):
+class LoopConfig(Strict):
     """Steps, batch shape and bookkeeping shared by every trainer.
 
     ``max_minutes`` (0 = off) caps the run's wall time: after a few timed steps the step count is
@@ -110,7 +106,7 @@ class LoopConfig(_Strict):
     compile: bool = False  # torch.compile the forward (falls back to eager if it fails)
 
 
-class LMTrainConfig(_Strict):
+class LMTrainConfig(Strict):
     """``sgl-longgen train lm``: a tokenizer (trained unless ``tokenizer_dir`` is given) and a
     Llama-architecture LM from scratch, written as an HF checkpoint directory."""
 
@@ -133,7 +129,7 @@ class HeadsLoopConfig(LoopConfig):
     save_every: NonNegInt = 100
 
 
-class HeadsTrainConfig(_Strict):
+class HeadsTrainConfig(Strict):
     """``sgl-longgen train heads``: TokenSwift's chained heads on a frozen base model."""
 
     model: str = ""

@@ -44,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from ..config import Strict
 from ..core.owl import OwlDrafter
 from ..errors import LonggenError
 from ..runtime.checkpoint import load_model
@@ -57,11 +58,7 @@ from .forward import _rotate_half, rope_tables
 from .lm import full_precision
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class OwlShape(_Strict):
+class OwlShape(Strict):
     """The drafter: LSTM width (0: the target's hidden size), unroll steps n, [SPEC] on/off, and the
     head's draft vocabulary (0: the target's whole vocabulary; N: its N most frequent tokens)."""
 
@@ -71,7 +68,7 @@ class OwlShape(_Strict):
     draft_vocab: NonNegInt = 0
 
 
-class OwlDataConfig(_Strict):
+class OwlDataConfig(Strict):
     """Self-distilled sequences: ``sequences`` prompts of ``prompt_len`` tokens, each continued by the
     target for ``loop.seq_len`` tokens (``temperature`` 0: greedy); ``val_sequences`` more from the
     validation split (or held out of the training prompts when it is too small)."""
@@ -102,7 +99,7 @@ class OwlLoopConfig(LoopConfig):
     save_every: NonNegInt = 250
 
 
-class OwlTrainConfig(_Strict):
+class OwlTrainConfig(Strict):
     """``sgl-longgen train owl``: the OWL drafter (and [SPEC] embedding) for a frozen target."""
 
     model: str = ""

@@ -26,9 +26,10 @@ from pathlib import Path
 import msgspec
 import torch
 
-from ..config import convert, load_toml, merge
+from ..config import Strict, convert, load_toml, merge
 from ..errors import LonggenError
 from ..runtime.embedded import DEFAULTS_FILE, HEADS_SUBDIR, cache_root
+from .command import command_line
 from .config import HeadsTrainConfig, LMTrainConfig, NonNegInt, PosInt
 from .tokenizer import TOKENIZER_FILES
 
@@ -48,7 +49,7 @@ sinks = {sinks}
 """
 
 
-class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ProxyConfig(Strict):
     """The two trainers' configs (``[lm]``, ``[heads]`` tables) and the shipped defaults."""
 
     lm: LMTrainConfig = msgspec.field(default_factory=LMTrainConfig)
@@ -66,7 +67,7 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="the model directory to ship (e.g. sgl_longgen/models/tiny)")
-    p.add_argument("--work", type=Path, help="training state and caches (default $SGL_LONGGEN_HOME/proxy-work)")
+    p.add_argument("--work", type=Path, help="training state and caches (default $SGLANG_LONGGEN_HOME/proxy-work)")
     p.add_argument("--config", type=Path, help="TOML with [lm] and [heads] tables (trainer settings)")
     p.add_argument("--lm-steps", type=int, help="LM optimizer steps (default 1000; fewer if --lm-minutes is reached)")
     p.add_argument("--heads-steps", type=int, help="heads optimizer steps (default 300)")
@@ -250,10 +251,20 @@ def print_report(out: Path, record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sgl_longgen.training.proxy``: the same as ``sgl-longgen train proxy``."""
-    from ..cli import main as cli_main
+    """``python -m sgl_longgen.training.proxy``: the same as ``sgl-longgen train proxy``.
 
-    return cli_main(["train", "proxy", *(sys.argv[1:] if argv is None else argv)])
+    It builds only its own parser: going through ``sgl_longgen.cli`` would import every command,
+    among them ``train``, which imports this module back.
+    """
+    parser = argparse.ArgumentParser(prog="python -m sgl_longgen.training.proxy",
+                                     description="Train the embedded proxy model (= sgl-longgen train proxy).")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args, command=command_line(args, ("train", "proxy")))
+    except LonggenError as exc:  # one line, as the command line reports it
+        print(f"sgl-longgen: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from batch_helpers import Cluster
-from sgl_longgen.cluster.engines import NAMESPACE
+from sgl_longgen.cluster.engine_common import NAMESPACE
 
 # Ray reads this when it is imported: a busy 2-core machine can need more than the default 60 s.
 os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "300")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
+from batch_helpers import PROMPTS, write_job
 from sgl_longgen.cluster.checkpoint import (
     Checkpoint, CheckpointStore, OutputLock, RecordLog, atomic_write, check_manifest,
 )
 from sgl_longgen.cluster.messages import Segment
+from sgl_longgen.cluster.runner import run_job
+from sgl_longgen.cluster.spec import load_job
 from sgl_longgen.errors import LonggenError
 
 
@@ -83,3 +87,33 @@ def test_one_driver_per_output_directory(tmp_path):
         OutputLock(tmp_path)
     lock.release()
     OutputLock(tmp_path).release()
+
+
+def test_the_next_run_removes_temporary_checkpoints_a_killed_driver_left(tmp_path):
+    job = load_job(write_job(tmp_path, "stale", prompts=PROMPTS[:1]))
+    out = job.output_dir
+    store = CheckpointStore(out)
+    # A failed request: its record says so and its checkpoint is kept for --retry-errors, so the
+    # run has nothing to generate and starts no Ray.
+    kept = Checkpoint(id="fib", prompt_key="k", tokens=[1, 2, 3], attempts=1, error="engine lost")
+    store.save(kept)
+    log = RecordLog(out)
+    log.append({"id": "fib", "finish_reason": "error", "error": "engine lost", "num_new_tokens": 3})
+    log.close()
+    # What a driver killed between atomic_write's mkstemp and its rename leaves behind.
+    stale = store.dir / f".{store.path('fib').name}.k3j_x9q1.tmp"
+    stale.write_bytes(b'{"id": "fib", "prompt_key": "k", "tok')
+    foreign = store.dir / ".notes.tmp"  # not a name atomic_write gives: not ours to delete
+    foreign.write_text("someone else's")
+
+    holder = OutputLock(out)  # another driver runs: its temporary files are about to be renamed
+    with pytest.raises(LonggenError, match="in use by another batch run"):
+        run_job(job, live=False, stream=io.StringIO(), out=io.StringIO())
+    assert stale.exists()
+    holder.release()
+
+    summary = run_job(job, live=False, stream=io.StringIO(), out=io.StringIO())
+    assert not stale.exists()
+    assert store.load("fib") == kept and store.ids() == ["fib"]
+    assert foreign.read_text() == "someone else's"
+    assert summary["errors"] == 1 and summary["run"]["engines"] == []

@@ -5,6 +5,7 @@
 - killing an engine actor mid-job still gives 6 records, each once;
 - killing the driver (SIGKILL) and rerunning resumes from the checkpoints: the engines generate
   exactly the tokens that were missing, and the outputs equal an uninterrupted run;
+- a driver stopped by SIGTERM checkpoints what it received and exits with 143 (128 + 15);
 - a request whose engine is lost more often than ``max_retries`` fails fast with its partial output
   kept, and ``--retry-errors`` continues it from there.
 """
@@ -174,6 +175,24 @@ def test_driver_killed_then_resumed(ray_cluster, tmp_path, oracle):
     assert summary["run"]["tokens_generated"] == missing
     assert summary["run"]["tokens_resumed"] == sum(len(t) for t in saved.values())
     assert f"({summary['run']['tokens_resumed']} tokens not generated again)" in log
+
+
+def test_driver_stopped_by_sigterm(ray_cluster, tmp_path, oracle):
+    job_file = write_job(tmp_path, "sigterm", prompts=PROMPTS[:1], engines={"count": 1}, max_new_tokens=8000)
+    out = load_job(job_file).output_dir
+    driver = start_driver(ray_cluster, job_file)
+    try:
+        seen = wait_for(lambda: len(getattr(CheckpointStore(out).load("fib"), "tokens", [])), 600,
+                        "a checkpoint", driver)
+        driver.send_signal(signal.SIGTERM)
+        log, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 143, log
+    assert "interrupted: every token received is checkpointed" in log
+    assert not read_records(out)
+    tokens = CheckpointStore(out).load("fib").tokens
+    assert len(tokens) >= seen and tokens[:N] == oracle["fib"][: len(tokens)]
 
 
 def test_retries_exhausted_keep_the_partial_output_then_retry_errors(ray_cluster, tmp_path, oracle):

@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from sgl_longgen.cluster.engines import ReferenceEngine
+from sgl_longgen.cluster.reference_engine import ReferenceEngine
 from sgl_longgen.cluster.messages import Finished, Progress, Task
 
 N = 128

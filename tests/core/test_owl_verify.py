@@ -129,7 +129,8 @@ def test_owl_trees_with_spec_leaves_preserve_the_target_distribution(spec_token)
 
 
 def test_spec_nodes_registered_as_children_are_caught():
-    counts, _ = joint_counts(seed=41, spec_token=0, as_children=True)
+    # The [SPEC] id is the target's likeliest first token, so walks often enter a [SPEC] node.
+    counts, _ = joint_counts(seed=41, spec_token=int(np.argmax(target(CONTEXT))), as_children=True)
     assert chi2_pvalue(counts) < 1e-6
 
 

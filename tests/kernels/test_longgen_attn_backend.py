@@ -9,19 +9,19 @@ import pytest
 import torch
 
 
-def test_register_adds_the_backend_choice():
-    from sgl_longgen.kernels.sglang_backend import BACKEND_NAME, create_longgen_backend, register
+def test_register_adds_the_backend_choices():
+    from sgl_longgen.sglang import backends
 
-    register()
-    register()  # idempotent
+    assert backends.register() == backends.register()  # idempotent
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 
-    assert ATTENTION_BACKENDS[BACKEND_NAME] is create_longgen_backend
-    assert ATTENTION_BACKEND_CHOICES.count(BACKEND_NAME) == 1
+    for name in (backends.HYBRID, backends.TORCH):
+        assert name in ATTENTION_BACKENDS
+        assert ATTENTION_BACKEND_CHOICES.count(name) == 1
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from sgl_longgen.kernels.longgen_backend import LongGenAttnBackend
+    from sgl_longgen.sglang.backends.hybrid import LongGenAttnBackend
 
     assert issubclass(LongGenAttnBackend, FlashInferAttnBackend)
 
@@ -34,7 +34,7 @@ def test_register_adds_the_backend_choice():
 )
 def test_engine_ngram_verify(draft_tokens, prefix_backend, extra):
     """NGRAM verify through the backend: every layer checked against FlashInfer, then CUDA graphs."""
-    cmd = [sys.executable, "-m", "sgl_longgen.kernels.engine_check", "--draft-tokens", str(draft_tokens),
+    cmd = [sys.executable, "-m", "sgl_longgen.bench.engine_check", "--draft-tokens", str(draft_tokens),
            "--prefix-backend", prefix_backend, *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     print(res.stdout[-4000:])

@@ -38,7 +38,7 @@ class StandInPool:
 
 
 def make_backend(max_bs=4, num_slots=9000, context=1024, seed=0):
-    from sgl_longgen.kernels.longgen_backend import LongGenAttnBackend
+    from sgl_longgen.sglang.backends.hybrid import LongGenAttnBackend
 
     g = torch.Generator().manual_seed(seed)
     be = LongGenAttnBackend.__new__(LongGenAttnBackend)

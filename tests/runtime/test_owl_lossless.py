@@ -117,7 +117,7 @@ def test_owl_kv_cache_equals_a_fresh_prefill_of_its_output():
     assert torch.allclose(dec.cache.k[:, :, : len(seq)], cache.k, atol=1e-10)
     assert torch.allclose(dec.cache.v[:, :, : len(seq)], cache.v, atol=1e-10)
     # ... and the drafter's next input is the last committed token's post-norm state.
-    assert torch.allclose(dec.h_last, lm.model.model.norm(h[-1:]), atol=1e-10)
+    assert torch.allclose(dec.state.h_last, lm.model.model.norm(h[-1]), atol=1e-10)
 
 
 def test_spec_token_embeds_as_the_checkpoint_vector():

@@ -57,16 +57,7 @@ def greedy(max_new_tokens: int, **extra) -> dict:
 
 
 def stop(engine) -> None:
-    """Stop one of several engines of this process.
+    """Stop one of several engines of this process (``shutdown()`` would stop them all)."""
+    from sgl_longgen.sglang.engine import stop_engine
 
-    ``Engine.shutdown()`` kills every child process of its caller: the other engines' schedulers
-    too, whose liveness watchdogs then send SIGQUIT and take the whole test process down. This
-    stops only this engine's watchdog and its own scheduler and detokenizer processes.
-    """
-    watchdog = engine.tokenizer_manager._subprocess_watchdog
-    processes = list(watchdog._processes)
-    watchdog.stop()
-    for proc in processes:
-        proc.kill()
-    for proc in processes:
-        proc.join(timeout=30)
+    stop_engine(engine)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_longgen.plugin.penalty_processor import ContextualPenaltyProcessor
+from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.runtime import load_model
 from sgl_longgen.training.owl import fit_drafter
 from sglang_harness import PROMPTS, engine_args, greedy, model_path, stop

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from sgl_longgen.plugin.requests import TokenHistory
+from sgl_longgen.sglang.requests import TokenHistory
 
 
 def test_token_history_reads_like_the_concatenated_list():

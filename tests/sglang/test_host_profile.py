@@ -5,8 +5,8 @@ from __future__ import annotations
 import pstats
 from types import SimpleNamespace
 
-from sgl_longgen.plugin import host_profile
-from sgl_longgen.plugin.host_profile import PROFILE_ENV, PROFILE_PARAM, HostProfile
+from sgl_longgen.sglang import host_profile
+from sgl_longgen.sglang.host_profile import PROFILE_ENV, PROFILE_PARAM, HostProfile
 
 
 def req(params):

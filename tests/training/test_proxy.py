@@ -1,10 +1,14 @@
 """The proxy script end to end (tiny shapes), ``tiny`` resolution, and the shipped proxy itself."""
 
 import json
+import shlex
+import subprocess
+import sys
 
 import pytest
 
 from sgl_longgen.cli import main
+from sgl_longgen.training import proxy
 from sgl_longgen.runtime import embedded, load_model, resolve_model
 from sgl_longgen.core.heads import load_heads
 
@@ -63,6 +67,36 @@ def test_proxy_trains_and_assembles_a_shippable_model(tmp_path, corpus_dir, caps
     loaded = load_model(out, "float32")
     load_heads(out / "tokenswift-heads", hidden_size=loaded.config.hidden_size, num_heads=3)
     assert "ignore_eos = true" in (out / "tokenswift-heads" / "longgen.toml").read_text()
+
+
+def test_the_script_runs_what_train_proxy_runs(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(proxy, "run", lambda args, command: calls.append((vars(args), command)) or 0)
+    argv = ["--out", str(tmp_path / "m"), "--lm-minutes", "0", "--compile", "--check-tokens", "0"]
+    assert proxy.main(argv) == 0
+    assert main(["train", "proxy", *argv]) == 0
+    (script_args, script_command), (cli_args, cli_command) = calls
+    assert script_command == cli_command == shlex.join(
+        ["sgl-longgen", "train", "proxy", "--out", str(tmp_path / "m"), "--lm-minutes", "0.0", "--compile",
+         "--check-tokens", "0"])
+    assert script_args == {k: v for k, v in cli_args.items() if k not in ("command", "trainer", "run")}
+
+
+def test_the_script_stands_alone(tmp_path):
+    """``python -m sgl_longgen.training.proxy`` neither goes through nor loads the command line."""
+    res = subprocess.run([sys.executable, "-m", "sgl_longgen.training.proxy", "--help"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("usage: python -m sgl_longgen.training.proxy")
+    assert "--lm-minutes" in res.stdout and "$SGLANG_LONGGEN_HOME/proxy-work" in res.stdout
+    code = ("import runpy, sys\n"
+            "try:\n"
+            "    runpy.run_module('sgl_longgen.training.proxy', run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    print(exc.code, sorted(m for m in sys.modules if m.startswith(('sgl_longgen.cli', 'sgl_longgen.commands'))))\n")
+    res = subprocess.run([sys.executable, "-c", code, "--out", str(tmp_path / "m"), "--config", str(tmp_path / "no.toml")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.stdout.strip() == "2 []", res.stderr
+    assert res.stderr.strip().splitlines() == [f"sgl-longgen: error: config file not found: {tmp_path / 'no.toml'}"]
 
 
 def test_tiny_is_the_shipped_proxy_when_present(tmp_path, monkeypatch):

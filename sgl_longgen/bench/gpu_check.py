@@ -1,0 +1,480 @@
+"""GPU check of our speculative algorithms inside SGLang (a host with SGLang installed; no network needed).
+
+A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift heads (or, with
+``--algorithm OWL|HOWL``, a random OWL drafter):
+
+1. greedy equality: the same prompts through SGLang without speculation and with the algorithm,
+   ``--tokens`` new tokens each. Where outputs differ, the plain run's top-2 log-probability gap
+   at the first differing position is reported (dummy weights give flat distributions; a
+   difference at a bf16-level near-tie is kernel rounding, not the method);
+2. step-time breakdown at each ``--contexts`` length: the end-to-end time per generated token
+   (tokens ``T+1..2T`` of untimed requests, ``T = --timed-tokens``) and its speedup over plain
+   decoding, then timed requests of ``--step-detail`` tokens, one in each ``--detail-modes``
+   mode (``custom_params={"longgen_timing": MODE}``: our workers time only the steps of requests
+   that ask, and report them in ``meta_info``; see :mod:`sgl_longgen.sglang.timing`). ``host``:
+   undisturbed host times plus the forwards' GPU spans, whence draft / verify / overhead ms per
+   step next to one plain decode step, the step wall, the part of it outside the two forwards
+   (median and mean step), the device gaps between the forwards, the share of chained drafts and
+   ms / token = step wall / tau; ``sync``: each section synchronised, so its figure includes the
+   device work it queued. Both modes give every section of a step (setup, draft_shadow,
+   draft_wait, draft_tree, verify_launch, accept_queue, walk, observe) on its own;
+3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, ``--owl-draft-vocab``,
+   depth 8, top-k 10, 30 nodes) for one request, next to the plain decode step at the first
+   context length.
+
+    python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
+    python -m sgl_longgen.bench.gpu_check --phase spec --out results.json [--attention-backend longgen]
+    python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --step-detail 128 --detail-modes host
+    python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --owl-width 4096 2048 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from ..sglang.engine import open_engine
+from ..sglang.host_profile import PROFILE_ENV, PROFILE_PARAM
+from ..sglang.timing import STEPS_PARAM, TIMING_PARAM
+
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype="bfloat16",
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, hidden_act="silu",
+)
+
+
+def make_checkpoints(root: Path, budget: int) -> tuple[Path, Path]:
+    import torch
+
+    from ..core.heads import TokenSwiftHeads
+
+    model = root / "llama8b"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA_8B))
+    heads_dir = root / "heads"
+    heads = TokenSwiftHeads(LLAMA_8B["hidden_size"], 3, LLAMA_8B["rms_norm_eps"])
+    heads.reset_parameters(torch.Generator().manual_seed(0))
+    heads.save(heads_dir)
+    (heads_dir / "longgen.toml").write_text(f"[tokenswift.partial_kv]\nbudget = {budget}\nsinks = 16\n")
+    return model, heads_dir
+
+
+def make_owl_drafter(root: Path, width: int, draft_vocab: int) -> Path:
+    """A random OWL drafter for the 8B shape (dummy weights: only its cost and losslessness count)."""
+    import torch
+
+    from ..core.owl import OwlDrafter
+
+    vocab = LLAMA_8B["vocab_size"]
+    n = draft_vocab if 0 < draft_vocab < vocab else None
+    drafter = OwlDrafter(LLAMA_8B["hidden_size"], vocab, width, n_steps=8, spec=True, draft_vocab_size=n)
+    gen = torch.Generator().manual_seed(0)
+    drafter.reset_parameters(gen)
+    if n is not None:
+        drafter.set_token_map(torch.randperm(vocab, generator=gen)[:n].sort().values)
+    out = root / f"owl-{width}x{draft_vocab}"
+    drafter.save(out)
+    return out
+
+
+def engine(model: Path, draft: Path | None, args) -> object:
+    kw = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True,
+              attention_backend=args.attention_backend or (None if draft is not None else "flashinfer"),
+              mem_fraction_static=args.mem_fraction,
+              context_length=131072, log_level="warning", random_seed=0, chunked_prefill_size=16384,
+              disable_radix_cache=True, max_running_requests=4, cuda_graph_max_bs_decode=2)
+    if draft is not None:
+        kw.update(speculative_algorithm=args.algorithm, speculative_draft_model_path=str(draft),
+                  disable_overlap_schedule=True, speculative_num_draft_tokens=args.draft_tokens)
+        if args.no_cuda_graph:
+            kw.update(disable_cuda_graph=True)
+    return open_engine(**kw)
+
+
+def greedy(n: int, **extra) -> dict:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def timed(n: int, mode: str) -> dict:
+    """Greedy sampling for a request whose steps our workers time (``mode``: host or sync)."""
+    # Every step commits a token at least: n steps bound the series of an n-token request.
+    return greedy(n, custom_params={TIMING_PARAM: mode, STEPS_PARAM: max(n, 1)})
+
+
+# -- a timed request's meta_info -> per-step figures (pure Python) ---------------------------------
+#
+# A timed step's values sit on the first token it committed (None on its other tokens), every
+# value of one step at the same position; each timed step has the three phases.
+
+WALL_PARTS = ("draft_ms", "verify_ms", "overhead_ms", "between_steps_ms")  # a step, wall to wall
+GPU_SPANS = ("draft_gpu_ms", "verify_gpu_ms")  # the two forwards on the device (host mode)
+GAPS = ("gap_draft_verify", "gap_verify_draft")  # device time between the forwards (host mode)
+SHARES = ("draft_queued_ahead", "draft_chained")  # 1.0 / 0.0 per step
+
+
+def timed_steps(meta: dict, warmup: int = 1) -> list[dict[str, float]]:
+    """The timed steps of one request, in order, each ``{name: value}`` with the ``longgen_``
+    prefix stripped (``draft_ms``, ``walk_ms``, ``draft_chained``, ...), without the first
+    ``warmup`` steps (the first step's between-steps time and gaps span the prefill)."""
+    series = {k[len("longgen_"):]: v for k, v in meta.items() if k.startswith("longgen_") and isinstance(v, list)}
+    anchor = series.get("draft_ms", [])
+    steps = [{name: values[i] for name, values in series.items() if i < len(values) and values[i] is not None}
+             for i, value in enumerate(anchor) if value is not None]
+    return steps[warmup:]
+
+
+def _values(steps: list[dict], key: str) -> list[float]:
+    return [s[key] for s in steps if s.get(key) is not None]
+
+
+def step_mean(steps: list[dict], key: str) -> float:
+    values = _values(steps, key)
+    return statistics.fmean(values) if values else float("nan")
+
+
+def step_median(steps: list[dict], key: str) -> float:
+    values = _values(steps, key)
+    return statistics.median(values) if values else float("nan")
+
+
+def section_means(steps: list[dict]) -> dict[str, float]:
+    """Mean ms per step of every timed figure: phases, sections, GPU spans, gaps, scheduler, GC."""
+    keys = sorted({k for s in steps for k in s if k.endswith("_ms")})
+    return {k[:-len("_ms")]: round(step_mean(steps, k), 3) for k in keys}
+
+
+def phase_means(steps: list[dict]) -> dict[str, float]:
+    """Mean ms per step of the three phases and of SGLang's scheduler between two steps."""
+    return {k: round(step_mean(steps, k), 3) for k in WALL_PARTS}
+
+
+def host_figures(steps: list[dict], tau: float | None) -> dict[str, float]:
+    """What a host-mode request says about a step, from the steps that have every part.
+
+    ``host_step_wall_*``: draft + verify + overhead + the scheduler's time before the step;
+    ``host_outside_forwards_*``: that wall less the two forwards' GPU spans; mean and median
+    step (a host hiccup, a GC pause or a busy core, moves one step's figure a lot and the mean
+    with it; the median shows the typical step). ``host_ms_per_token*``: step wall / ``tau``.
+    """
+    out: dict[str, float] = {}
+    walls = [sum(s[k] for k in WALL_PARTS) for s in steps if all(s.get(k) is not None for k in WALL_PARTS)]
+    if walls:
+        wall, wall_median = statistics.fmean(walls), statistics.median(walls)
+        out["host_step_wall_ms"] = round(wall, 3)
+        out["host_step_wall_median_ms"] = round(wall_median, 3)
+        if tau:  # per token from the step wall: free of per-request setup noise
+            out["host_ms_per_token"] = round(wall / tau, 3)
+            out["host_ms_per_token_median"] = round(wall_median / tau, 3)
+    parts = WALL_PARTS + GPU_SPANS
+    outside = [sum(s[k] for k in WALL_PARTS) - sum(s[k] for k in GPU_SPANS)
+               for s in steps if all(s.get(k) is not None for k in parts)]
+    if outside:
+        out["host_outside_forwards_ms"] = round(statistics.fmean(outside), 3)
+        out["host_outside_forwards_median_ms"] = round(statistics.median(outside), 3)
+    for gap in GAPS:  # where the outside time lies
+        if _values(steps, f"{gap}_ms"):
+            out[f"{gap}_median_ms"] = round(step_median(steps, f"{gap}_ms"), 3)
+    for share in SHARES:
+        if _values(steps, share):
+            out[f"{share}_share"] = round(step_mean(steps, share), 3)
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(meta: dict, position: int) -> float | None:
+    tops = meta.get("output_top_logprobs") or []
+    if position >= len(tops) or not tops[position] or len(tops[position]) < 2:
+        return None
+    return float(tops[position][0][0] - tops[position][1][0])
+
+
+def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> dict:
+    """Median time (CUDA events, L2 flushed) of one OWL tree expansion for an 8B-shaped target, batch 1:
+    the PyTorch beam eagerly and replayed as a CUDA graph, and the fused-kernel beam's graph (what the
+    OWL worker replays by default). ``draft_vocab`` N > 0: the head covers a random map of N target
+    tokens (its cost does not depend on which). ``compiled``: also the graph of the
+    ``torch.compile``d beam. Other beams round differently from the eager one: ``*_token_agreement``
+    is the share of draft nodes holding the same token."""
+    import torch
+
+    from ..core.owl import GraphedExpand, OwlDrafter, expand
+    from .kernels import time_us
+    from ..kernels.owl_beam import fused_expand
+
+    torch.manual_seed(0)
+    d0, vocab = LLAMA_8B["hidden_size"], LLAMA_8B["vocab_size"]
+    n = draft_vocab if 0 < draft_vocab < vocab else None
+    drafter = OwlDrafter(d0, vocab, width, n_steps=8, spec=True, draft_vocab_size=n)
+    if n is not None:
+        drafter.set_token_map(torch.randperm(vocab)[:n].sort().values)
+    drafter = drafter.to("cuda", torch.bfloat16).eval()
+    h = torch.randn(1, d0, device="cuda", dtype=torch.bfloat16)
+    root = torch.tensor([1234], device="cuda")
+    has = torch.tensor([True], device="cuda")
+    shape = dict(top_k=10, depth=8, tree_size=30)
+    out: dict = {}
+    with torch.no_grad():
+        eager_beam = expand(drafter, h, root, h, has, **shape)
+        out["eager_ms"] = round(time_us(lambda: expand(drafter, h, root, h, has, **shape)) / 1e3, 3)
+        variants = {"graph": {}, "fused_graph": {"fast": fused_expand}}
+        if compiled:
+            variants["compiled_graph"] = {"compile": True}
+        for name, kwargs in variants.items():
+            try:
+                if "fast" in kwargs:  # eagerly first: the graph would fall back quietly on an error
+                    kwargs["fast"](drafter, h, root, h, has, **shape)
+                graphed = GraphedExpand(drafter, **shape, **kwargs)
+                beam = graphed(h, root, h, has)
+                out[f"{name}_ms"] = round(time_us(lambda: graphed(h, root, h, has)) / 1e3, 3)
+                out[f"{name}_token_agreement"] = round(float((beam.tokens == eager_beam.tokens).float().mean()), 3)
+            except Exception as exc:  # report, do not lose the other numbers
+                out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def host_profile_summary(path: Path, top: int = 30) -> dict:
+    """The profiled steps' heaviest functions, as ms per step, by own time and by cumulative time."""
+    import pstats
+
+    stats = pstats.Stats(str(path)).stats
+    steps = int(Path(f"{path}.steps").read_text())
+    rows = [{"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "calls_per_step": round(v[1] / steps, 1),
+             "own_ms": round(v[2] / steps * 1e3, 3), "cum_ms": round(v[3] / steps * 1e3, 3)}
+            for k, v in stats.items()]
+    return {"steps": steps,
+            "tottime": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "cumtime": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
+
+
+def load_report(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_report(path: Path, report: dict) -> None:
+    """Written after every phase: a later phase that kills the process keeps the earlier ones."""
+    path.write_text(json.dumps(report, indent=2))
+
+
+def phase_plain(args, model: Path, prompts, long_prompts, report: dict) -> None:
+    t = time.time()
+    plain = engine(model, None, args)
+    report["plain_engine_start_s"] = round(time.time() - t, 1)
+    want = plain.generate(input_ids=prompts, sampling_params=greedy(args.tokens),
+                          return_logprob=True, top_logprobs_num=2)
+    report["plain_outputs"] = [
+        {"output_ids": w["output_ids"], "top2_gaps": [top2_gap(w["meta_info"], i) for i in range(len(w["output_ids"]))]}
+        for w in want
+    ]
+    ar = {}
+    for L, prompt in long_prompts.items():
+        times = {}
+        plain.generate(input_ids=prompt, sampling_params=greedy(1))  # warm-up: first prefill of this length
+        for n in (1, args.timed_tokens + 1):
+            t = time.time()
+            plain.generate(input_ids=prompt, sampling_params=greedy(n))
+            times[n] = time.time() - t
+        ar[str(L)] = (times[args.timed_tokens + 1] - times[1]) / args.timed_tokens * 1e3
+        print(f"plain decode at {L}: {ar[str(L)]:.2f} ms/token", flush=True)
+    plain.shutdown()
+    report["ar_step_ms"] = ar
+
+
+def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: dict) -> None:
+    if "plain_outputs" not in report:
+        raise SystemExit("run --phase plain first (same --out)")
+    tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
+    result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
+                    "cuda_graph": not args.no_cuda_graph}
+    if args.algorithm != "TOKENSWIFT":
+        result["drafter"] = draft.name
+    profile_path = None
+    if args.host_profile:
+        profile_path = Path(tempfile.mkdtemp(prefix="longgen_host_profile_")) / "steps.prof"
+        os.environ[PROFILE_ENV] = str(profile_path)  # read by the engine's scheduler process
+    t = time.time()
+    spec = engine(model, draft, args)
+    os.environ.pop(PROFILE_ENV, None)
+    result["engine_start_s"] = round(time.time() - t, 1)
+    try:
+        result["attention_backend_used"] = spec.get_server_info().get("attention_backend")
+    except Exception as exc:  # a report without it is still worth having
+        result["attention_backend_used"] = f"unknown ({exc})"
+    print(f"[{tag}] attention backend: {result['attention_backend_used']}", flush=True)
+    got = spec.generate(input_ids=prompts, sampling_params=greedy(args.tokens))
+    equality = []
+    for w, g in zip(report["plain_outputs"], got):
+        diff = first_difference(w["output_ids"], g["output_ids"])
+        gap = w["top2_gaps"][diff] if diff is not None and diff < len(w["top2_gaps"]) else None
+        equality.append({"identical": diff is None, "first_difference": diff,
+                         "plain_top2_logprob_gap_there": gap, "tau": g["meta_info"].get("spec_accept_length")})
+        print(f"[{tag}] greedy equality over {args.tokens} tokens: {equality[-1]}", flush=True)
+    result["equality"] = equality
+    rows = []
+    for L, prompt in long_prompts.items():
+        spec.generate(input_ids=prompt, sampling_params=greedy(1))  # warm-up: first prefill of this length
+        t = time.time()
+        spec.generate(input_ids=prompt, sampling_params=greedy(1))
+        prefill_s = time.time() - t
+        t = time.time()
+        out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens + 1))
+        first_s = time.time() - t
+        t = time.time()
+        spec.generate(input_ids=prompt, sampling_params=greedy(2 * args.timed_tokens + 1))
+        # Per-request costs (prefill, indexing the prompt's n-grams, the first partial-KV
+        # selection) cancel in the difference of two lengths: the steady decoding rate. These
+        # requests are untimed (timing is per request and off by default): the product's steps.
+        per_token_ms = (time.time() - t - first_s) / args.timed_tokens * 1e3
+        first_ms = (first_s - prefill_s) / args.timed_tokens * 1e3
+        ar_ms = report["ar_step_ms"].get(str(L), float("nan"))
+        row = {"context": L, "ar_step_ms": round(ar_ms, 2), "tau": out["meta_info"].get("spec_accept_length")}
+        row["ms_per_token"] = round(per_token_ms, 3)
+        row["speedup"] = round(ar_ms / per_token_ms, 2)
+        row["ms_per_token_first_tokens"] = round(first_ms, 3)  # the first timed tokens, request setup included
+        print(f"[{tag}] {L}: {per_token_ms:.2f} ms/token end to end ({first_ms:.2f} over the first {args.timed_tokens},"
+              f" request setup included), {row['speedup']}x plain decoding", flush=True)
+        # Timed requests, one per mode: every step's phases and sections in meta_info.
+        timed_steps_of: dict[str, list] = {}
+        for mode in (args.detail_modes if args.step_detail else ()):
+            meta = spec.generate(input_ids=prompt, sampling_params=timed(args.step_detail, mode))["meta_info"]
+            steps = timed_steps(meta)
+            timed_steps_of[mode] = steps
+            row[f"detail_{mode}_ms"] = section_means(steps)
+            row[f"detail_{mode}_steps"] = len(steps)
+            if mode == "host":
+                row.update(host_figures(steps, meta.get("spec_accept_length")))
+                if "host_ms_per_token_median" in row:
+                    row["host_speedup"] = round(ar_ms / row["host_ms_per_token_median"], 2)
+                print(f"[{tag}] {L}: step wall {row.get('host_step_wall_ms', float('nan')):.2f} ms (median step"
+                      f" {row.get('host_step_wall_median_ms', float('nan')):.2f}), outside the two forwards' GPU"
+                      f" spans {row.get('host_outside_forwards_ms', float('nan')):.2f} ms (mean; median step:"
+                      f" {row.get('host_outside_forwards_median_ms', float('nan')):.2f}; device between draft and"
+                      f" verify {row.get('gap_draft_verify_median_ms', float('nan')):.2f}, between verify and draft"
+                      f" {row.get('gap_verify_draft_median_ms', float('nan')):.2f}); chained drafts"
+                      f" {row.get('draft_chained_share', float('nan')):.2f}; ms/token (median step wall / tau)"
+                      f" {row.get('host_ms_per_token_median', float('nan')):.3f},"
+                      f" {row.get('host_speedup', float('nan'))}x plain decoding", flush=True)
+            print(f"[{tag}] {L}: step sections (ms, {mode} mode): {row[f'detail_{mode}_ms']}", flush=True)
+        # The coarse phases from the undisturbed mode where there is one (sync inflates them).
+        source = "host" if "host" in timed_steps_of else next(iter(timed_steps_of), None)
+        phases = phase_means(timed_steps_of.get(source, []))
+        row["phases_from"] = source
+        row["draft_ms"], row["verify_ms"] = round(phases["draft_ms"], 2), round(phases["verify_ms"], 2)
+        row["overhead_ms"] = round(phases["overhead_ms"], 2)
+        row["between_steps_ms"] = round(phases["between_steps_ms"], 2)  # SGLang's scheduler, measured
+        row["draft_vs_ar"] = round(row["draft_ms"] / ar_ms, 2)
+        row["verify_vs_ar"] = round(row["verify_ms"] / ar_ms, 2)
+        # Wall time per step outside our worker's three phases (end to end): SGLang's scheduler.
+        tau = row["tau"] or float("nan")
+        row["scheduler_ms"] = round(per_token_ms * tau - row["draft_ms"] - row["verify_ms"] - row["overhead_ms"], 2)
+        rows.append(row)
+        if profile_path is not None and L == max(long_prompts):
+            spec.generate(input_ids=prompt, sampling_params=greedy(args.host_profile, custom_params={PROFILE_PARAM: True}))
+            spec.generate(input_ids=prompts[0], sampling_params=greedy(4))  # an unprofiled step writes the profile
+    spec.shutdown()
+    if profile_path is not None and profile_path.exists():
+        result["host_profile"] = host_profile_summary(profile_path)
+        print(f"[{tag}] host profile at {max(long_prompts)} (ms per step, cProfile on):", flush=True)
+        for kind in ("tottime", "cumtime"):
+            for row in result["host_profile"][kind]:
+                print(f"  {kind} {row}", flush=True)
+    result["steps"] = rows
+    report[tag] = result
+    print(f"[{tag}]")
+    print(f"{'context':>8} {'AR ms':>7} {'draft':>7} {'verify':>7} {'overhead':>9} {'draft/AR':>9} {'verify/AR':>10}"
+          f" {'ms/token':>9} {'speedup':>8} | {'wall':>7} {'outside':>8} {'wall/tau':>9} {'speedup':>8}")
+    for r in rows:  # after the bar: host-mode median step (wall, outside the forwards, wall / tau, vs plain)
+        host = [r.get(k, float("nan")) for k in ("host_step_wall_median_ms", "host_outside_forwards_median_ms",
+                                                  "host_ms_per_token_median", "host_speedup")]
+        print(f"{r['context']:>8} {r['ar_step_ms']:>7} {r['draft_ms']:>7} {r['verify_ms']:>7} {r['overhead_ms']:>9}"
+              f" {r['draft_vs_ar']:>9} {r['verify_vs_ar']:>10} {r['ms_per_token']:>9} {r['speedup']:>8} |"
+              f" {host[0]:>7} {host[1]:>8} {host[2]:>9} {host[3]:>8}", flush=True)
+
+
+def phase_owl(args, report: dict) -> None:
+    first = str(args.contexts[0])
+    ar_ms = report.get("ar_step_ms", {}).get(first, float("nan"))
+    vocab = LLAMA_8B["vocab_size"]
+    draft_vocab = args.owl_draft_vocab if 0 < args.owl_draft_vocab < vocab else vocab
+    for width in args.owl_width:
+        r = owl_drafter_ms(width, draft_vocab, args.owl_compile)
+        r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
+        for name in ("graph", "fused_graph", "compiled_graph"):
+            if f"{name}_ms" in r:
+                r[f"{name}_vs_ar"] = round(r[f"{name}_ms"] / ar_ms, 3)
+        report.setdefault("owl_drafter", {})[f"{width}x{draft_vocab}"] = r
+        print(f"OWL drafter (width {width}, draft vocabulary {draft_vocab}, depth 8, top-k 10, 30 nodes; "
+              f"x = share of an AR step at {first}): {r}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("tokenswift_gpu_check.json"))
+    p.add_argument("--phase", choices=("all", "plain", "spec", "owl"), default="all",
+                   help="run one part; results accumulate in --out (spec needs plain's)")
+    p.add_argument("--tokens", type=int, default=2048, help="greedy tokens per prompt for the equality check")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 98304])
+    p.add_argument("--timed-tokens", type=int, default=256)
+    p.add_argument("--budget", type=int, default=4096, help="partial KV budget B")
+    p.add_argument("--draft-tokens", type=int, default=64, help="speculative_num_draft_tokens")
+    p.add_argument("--attention-backend", default=None,
+                   help="default: flashinfer for plain decoding, SGLang's choice with our plugin for the algorithms")
+    p.add_argument("--mem-fraction", type=float, default=0.8)
+    p.add_argument("--algorithm", choices=("TOKENSWIFT", "OWL", "HOWL"), default="TOKENSWIFT",
+                   help="the speculative algorithm of the spec phase (OWL/HOWL: a random drafter of "
+                        "--owl-width[0] and --owl-draft-vocab)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
+    p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
+                   help="after the untimed runs at each context, a request of this many tokens per --detail-modes "
+                        "mode whose steps are timed (custom_params longgen_timing); the draft / verify / overhead "
+                        "columns come from it (0: no timed requests, those columns stay empty)")
+    p.add_argument("--detail-modes", "--timing-modes", dest="detail_modes", nargs="+", choices=("host", "sync"),
+                   default=["host", "sync"],
+                   help="timing modes of the timed requests: host times undisturbed (plus the forwards' GPU "
+                        "spans, the step wall and what of it lies outside the forwards), sync each section")
+    p.add_argument("--host-profile", type=int, default=0, metavar="TOKENS",
+                   help="after the last context's runs, this many tokens with the worker's decode steps under "
+                        "cProfile; the heaviest functions go into the report (0: skip)")
+    p.add_argument("--owl-width", type=int, nargs="+", default=[4096], help="OWL drafter widths for the drafting-cost check")
+    p.add_argument("--owl-compile", action="store_true", help="also time the torch.compile'd beam")
+    p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")
+    args = p.parse_args(argv)
+
+    rng = random.Random(0)
+    root = Path(tempfile.mkdtemp(prefix="longgen_gpu_check_"))
+    model, heads = make_checkpoints(root, args.budget)
+    prompts = [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(args.prompts)]
+    long_prompts = {L: [rng.randrange(1000, 120000) for _ in range(L)] for L in args.contexts}
+    report = load_report(args.out)
+    report.setdefault("config", {}).update({k: str(v) for k, v in vars(args).items()})
+    if args.phase in ("all", "plain"):
+        phase_plain(args, model, prompts, long_prompts, report)
+        save_report(args.out, report)
+    if args.phase in ("all", "spec"):
+        draft = heads if args.algorithm == "TOKENSWIFT" else make_owl_drafter(root, args.owl_width[0], args.owl_draft_vocab)
+        phase_spec(args, model, draft, prompts, long_prompts, report)
+        save_report(args.out, report)
+    if args.phase in ("all", "owl"):
+        phase_owl(args, report)
+        save_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,331 @@
+"""GPU benchmark: hybrid tree attention vs SGLang's FlashInfer verify path vs an AR decode step.
+
+Two tables, one run, Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16):
+
+* ``attention``: one layer's attention for ``T`` draft tokens over a ``ctx``-token prefix:
+  FlashInfer's tensor-core decode for one token (an AR step's attention), SGLang's TARGET_VERIFY
+  path (FlashInfer FA2 prefill over prefix + tree with the custom mask), and the hybrid path with
+  each prefix backend. ``err`` is ``max|hybrid - SGLang|`` on the same inputs.
+* ``step``: a whole forward step of a synthetic Llama-3.1-8B (32 layers, random bf16 weights, a KV
+  pool of its own per layer) captured in a CUDA graph: AR decode (1 token) vs verify of ``T``
+  tokens with SGLang's attention vs with the hybrid attention. This is the model forward only;
+  SGLang's scheduler adds a fixed ~4 ms per step to every variant.
+
+Usage (GPU host)::
+
+    python -m sgl_longgen.bench.kernels                      # both tables, default shapes
+    python -m sgl_longgen.bench.kernels --json out.json      # also write every number
+    python -m sgl_longgen.bench.kernels --mode attention --tune   # + a sweep of Triton tiles
+
+The first run compiles FlashInfer's kernels (about two minutes); later runs reuse its cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..kernels.folded_decode import fold_supported
+from ..kernels.hybrid import HybridTreeAttention
+from ..kernels.prefix_attention import PrefixKernelConfig, prefix_kernel_config
+from ..kernels.reference import random_tree_mask
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+DTYPE = torch.bfloat16
+
+
+def _i32(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def time_us(fn: Callable[[], object], rep_ms: int = 60) -> float:
+    """Median time in microseconds (CUDA events, L2 flushed between runs)."""
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench(fn, warmup=15, rep=rep_ms, return_mode="median")
+
+
+def full_verify_mask(prefix_len: int, tree: torch.Tensor) -> torch.Tensor:
+    """SGLang's per-request verify mask ``[T, prefix + T]``: whole prefix, then the tree."""
+    T = tree.shape[0]
+    return torch.cat([torch.ones(T, prefix_len, dtype=torch.bool, device=tree.device), tree], dim=1)
+
+
+class FlashInferVerify:
+    """SGLang's TARGET_VERIFY attention: FA2 paged prefill over prefix + tree with a custom mask."""
+
+    def __init__(self, workspace, prefix_len, tree, device):
+        import flashinfer
+
+        T = tree.shape[0]
+        n = prefix_len + T
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        self.wrapper.plan(
+            _i32([0, T], device), _i32([0, n], device), torch.arange(n, dtype=torch.int32, device=device),
+            _i32([1], device), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1,
+            custom_mask=full_verify_mask(prefix_len, tree).flatten(), q_data_type=DTYPE, kv_data_type=DTYPE,
+        )
+
+    def __call__(self, q, k_pool, v_pool, k_tree=None, v_tree=None):
+        return self.wrapper.run(q, (k_pool, v_pool))
+
+
+class FlashInferDecode:
+    """An AR decode step's attention: one query over prefix + itself, tensor-core decode."""
+
+    def __init__(self, workspace, prefix_len, device):
+        import flashinfer
+
+        n = prefix_len + 1
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        self.wrapper.plan(
+            _i32([0, n], device), torch.arange(n, dtype=torch.int32, device=device), _i32([1], device),
+            NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, q_data_type=DTYPE, kv_data_type=DTYPE,
+        )
+
+    def __call__(self, q, k_pool, v_pool, k_tree=None, v_tree=None):
+        return self.wrapper.run(q, (k_pool, v_pool))
+
+
+class Hybrid:
+    """The hybrid path with a given prefix backend; the tree's K/V are the pool rows after the prefix."""
+
+    def __init__(self, prefix_len, tree, device, backend, config: Optional[PrefixKernelConfig] = None):
+        self.attn = HybridTreeAttention(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, device, prefix_backend=backend)
+        self.path = self.attn.plan(
+            _i32([0, prefix_len], device), torch.arange(prefix_len, dtype=torch.int32, device=device),
+            tree[None], q_dtype=DTYPE, prefix_lens_host=[prefix_len], prefix_config=config,
+        )
+        self.prefix_len = prefix_len
+        self.tree_size = tree.shape[0]
+
+    def __call__(self, q, k_pool, v_pool, k_tree=None, v_tree=None):
+        if k_tree is None:
+            rows = slice(self.prefix_len, self.prefix_len + self.tree_size)
+            k_tree, v_tree = k_pool[rows], v_pool[rows]
+        return self.attn.run(q, k_pool, v_pool, k_tree, v_tree)
+
+
+# --------------------------------------------------------------------------- attention table
+TUNE_CONFIGS = [  # (block_m, block_n, num_warps, num_stages); num_splits from the heuristic, x0.5, x2
+    (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 2),
+    (128, 128, 8, 2), (128, 32, 4, 3), (256, 32, 8, 2),
+]
+
+
+def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> None:
+    g = torch.Generator().manual_seed(0)
+    workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
+    max_n = max(contexts) + max(trees)
+    k_pool = torch.randn(max_n, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    v_pool = torch.randn_like(k_pool)
+    for ctx in contexts:
+        q1 = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+        t_ar = time_us(lambda: FlashInferDecodeCache.get(workspace, ctx, device)(q1, k_pool, v_pool))
+        for T in trees:
+            q = torch.randn(T, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+            tree = random_tree_mask(1, T, generator=g)[0].to(device)
+            sglang = FlashInferVerify(workspace, ctx, tree, device)
+            ref = sglang(q, k_pool, v_pool).float()
+            row = dict(table="attention", ctx=ctx, T=T, ar_us=t_ar, sglang_us=time_us(lambda: sglang(q, k_pool, v_pool)))
+            backends = ["triton"]
+            if fold_supported(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, T, DTYPE, DTYPE, torch.device(device)):
+                backends.append("flashinfer_fold")
+            for backend in backends:
+                hyb = Hybrid(ctx, tree, device, backend)
+                err = (hyb(q, k_pool, v_pool).float() - ref).abs().max().item()
+                row[f"{backend}_us"] = time_us(lambda: hyb(q, k_pool, v_pool))
+                row[f"{backend}_err"] = err
+                if backend == "triton":
+                    row["triton_config"] = dataclasses.asdict(hyb.attn.prefix_config)
+            auto = Hybrid(ctx, tree, device, "auto")
+            row["auto_path"] = auto.path
+            if tune:
+                row["tune"] = tune_prefix(ctx, tree, q, k_pool, v_pool, ref, device)
+            rows.append(row)
+            print_attention_row(row, flush=True)
+
+
+class FlashInferDecodeCache:
+    _cache: Dict = {}
+
+    @classmethod
+    def get(cls, workspace, ctx, device):
+        key = (ctx, str(device))
+        if key not in cls._cache:
+            cls._cache[key] = FlashInferDecode(workspace, ctx, device)
+        return cls._cache[key]
+
+
+def tune_prefix(ctx, tree, q, k_pool, v_pool, ref, device) -> List[Dict]:
+    results = []
+    T = tree.shape[0]
+    rows = T * (NUM_Q_HEADS // NUM_KV_HEADS)
+    for bm, bn, warps, stages in TUNE_CONFIGS:
+        base = prefix_kernel_config(1, NUM_KV_HEADS, rows, HEAD_DIM, torch.device(device), block_m=bm,
+                                    block_n=bn, num_warps=warps, num_stages=stages, max_prefix_len=ctx)
+        for factor in (0.5, 1, 2):
+            splits = max(1, int(round(base.num_splits * factor)))
+            cfg = PrefixKernelConfig(bm, bn, warps, stages, min(splits, 64))
+            try:
+                hyb = Hybrid(ctx, tree, device, "triton", config=cfg)
+                err = (hyb(q, k_pool, v_pool).float() - ref).abs().max().item()
+                us = time_us(lambda: hyb(q, k_pool, v_pool), rep_ms=30)
+            except Exception as exc:  # a tile that does not fit (registers, shared memory)
+                results.append(dict(config=str(cfg), error=type(exc).__name__))
+                continue
+            results.append(dict(config=str(cfg), us=us, err=err))
+    ok = [r for r in results if "us" in r]
+    if ok:
+        best = min(ok, key=lambda r: r["us"])
+        print(f"    tune ctx={ctx} T={T}: best {best['us']:.1f} us err {best['err']:.2g} {best['config']}", flush=True)
+    return results
+
+
+def print_attention_row(r, flush=False) -> None:
+    ar = r["ar_us"]
+    fold = (f"{r['flashinfer_fold_us']:7.1f} ({r['flashinfer_fold_us'] / ar:4.2f}x) err {r['flashinfer_fold_err']:.1e}"
+            if "flashinfer_fold_us" in r else f"{'n/a':>27}")
+    print(
+        f"ctx {r['ctx']:6d} T {r['T']:3d} | AR {ar:6.1f} us | SGLang {r['sglang_us']:7.1f} ({r['sglang_us'] / ar:4.2f}x) | "
+        f"triton {r['triton_us']:7.1f} ({r['triton_us'] / ar:4.2f}x) err {r['triton_err']:.1e} | fold {fold} | auto={r['auto_path']}",
+        flush=flush,
+    )
+
+
+# ----------------------------------------------------------------------------- step table
+class SyntheticLlama:
+    """Llama-3.1-8B-shaped decoder (random weights) whose attention is pluggable, for step timing."""
+
+    def __init__(self, num_layers, max_slots, device, hidden=4096, inter=14336, vocab=128256):
+        self.num_layers = num_layers
+        self.hidden, self.inter = hidden, inter
+        qkv = (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+        w = lambda *shape: torch.randn(*shape, dtype=DTYPE, device=device) * 0.02  # noqa: E731
+        self.layers = [
+            dict(qkv=w(qkv, hidden), o=w(hidden, NUM_Q_HEADS * HEAD_DIM), gate_up=w(2 * inter, hidden), down=w(hidden, inter))
+            for _ in range(num_layers)
+        ]
+        self.lm_head = w(vocab, hidden)
+        self.k_pool = torch.randn(num_layers, max_slots, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+        self.v_pool = torch.randn_like(self.k_pool)
+
+    @staticmethod
+    def _norm(x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    def forward(self, x, out_loc, attn):
+        """``x [T, hidden]``; the step's K/V go to pool rows ``out_loc``; returns logits."""
+        T = x.shape[0]
+        q_end, k_end = NUM_Q_HEADS * HEAD_DIM, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM
+        for i, lw in enumerate(self.layers):
+            qkv = self._norm(x) @ lw["qkv"].t()
+            q = qkv[:, :q_end].view(T, NUM_Q_HEADS, HEAD_DIM)
+            k = qkv[:, q_end:k_end].reshape(T, NUM_KV_HEADS, HEAD_DIM)
+            v = qkv[:, k_end:].reshape(T, NUM_KV_HEADS, HEAD_DIM)
+            self.k_pool[i].index_copy_(0, out_loc, k)
+            self.v_pool[i].index_copy_(0, out_loc, v)
+            o = attn(q, self.k_pool[i], self.v_pool[i], k, v)
+            x = x + o.reshape(T, -1) @ lw["o"].t()
+            gu = self._norm(x) @ lw["gate_up"].t()
+            x = x + (torch.nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]) @ lw["down"].t()
+        return self._norm(x) @ self.lm_head.t()
+
+
+def time_step_ms(model, T, prefix_len, attn, device) -> Tuple[float, str]:
+    """Median replay time of one forward step in a CUDA graph (eager timing if capture fails)."""
+    x = torch.randn(T, model.hidden, dtype=DTYPE, device=device)
+    out_loc = torch.arange(prefix_len, prefix_len + T, device=device)
+    step = lambda: model.forward(x, out_loc, attn)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    mode = "graph"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        run = graph.replay
+    except Exception:  # pragma: no cover - depends on the wrappers' capture support
+        torch.cuda.synchronize()
+        mode, run = "eager", step
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2], mode
+
+
+def step_table(contexts, trees, device, num_layers, rows: List[Dict]) -> None:
+    g = torch.Generator().manual_seed(1)
+    workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
+    model = SyntheticLlama(num_layers, max(contexts) + max(trees) + 1, device)
+    for ctx in contexts:
+        t_ar, m_ar = time_step_ms(model, 1, ctx, FlashInferDecode(workspace, ctx, device), device)
+        for T in trees:
+            tree = random_tree_mask(1, T, generator=g)[0].to(device)
+            t_sg, m_sg = time_step_ms(model, T, ctx, FlashInferVerify(workspace, ctx, tree, device), device)
+            hyb = Hybrid(ctx, tree, device, "auto")
+            t_hy, m_hy = time_step_ms(model, T, ctx, hyb, device)
+            row = dict(table="step", ctx=ctx, T=T, ar_ms=t_ar, sglang_ms=t_sg, hybrid_ms=t_hy,
+                       hybrid_path=hyb.path, timing=f"{m_ar}/{m_sg}/{m_hy}", layers=num_layers)
+            rows.append(row)
+            print(
+                f"ctx {ctx:6d} T {T:3d} | AR step {t_ar:6.2f} ms | SGLang verify {t_sg:6.2f} ms ({t_sg / t_ar:4.2f}x) | "
+                f"hybrid verify {t_hy:6.2f} ms ({t_hy / t_ar:4.2f}x, {hyb.path}) | {row['timing']}",
+                flush=True,
+            )
+    del model
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="4096,32768,98304", help="prefix lengths")
+    parser.add_argument("--trees", default="16,64,121", help="draft tree sizes T")
+    parser.add_argument("--mode", choices=("all", "attention", "step"), default="all")
+    parser.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (step table)")
+    parser.add_argument("--tune", action="store_true", help="sweep Triton prefix tiles (attention table)")
+    parser.add_argument("--json", help="write all numbers to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = "cuda"
+    contexts = [int(x) for x in args.contexts.split(",")]
+    trees = [int(x) for x in args.trees.split(",")]
+    rows: List[Dict] = []
+    t0 = time.time()
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | heads {NUM_Q_HEADS}/{NUM_KV_HEADS} x {HEAD_DIM}, bf16", flush=True)
+    if args.mode in ("all", "attention"):
+        print("# attention, one layer (us; x = over AR decode attention; err = max|hybrid - SGLang|)", flush=True)
+        attention_table(contexts, trees, device, args.tune, rows)
+    if args.mode in ("all", "step"):
+        print(f"# whole forward step, synthetic Llama-3.1-8B, {args.layers} layers, CUDA graphs (ms)", flush=True)
+        step_table(contexts, trees, device, args.layers, rows)
+    print(f"# done in {time.time() - t0:.0f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

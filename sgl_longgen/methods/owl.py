@@ -1,0 +1,156 @@
+"""OWL and HOWL's per-request logic, shared by the reference runtime and the SGLang workers.
+
+OWL drafts from two target hidden states (post-final-norm): the last committed token's and the
+[SPEC] leaf's that followed it in the last verify forward (:meth:`Owl.observe` keeps them). The
+drafter's beam is a tensor function a runtime may replay as a CUDA graph, so it is passed in
+(``expand``: :func:`sgl_longgen.core.owl.expand`'s signature). HOWL adds SuffixDecoding: when the
+suffix index's draft is expected to beat OWL's best case, that chain is verified instead (no
+[SPEC]; the next tree is drafted from the drafter's null state).
+
+[SPEC] is an input-only row: ``spec_token`` is the id a runtime gives those rows (the reference
+runtime embeds id ``vocab_size`` as the drafter's vector; SGLang overrides any id's embedding).
+Leaves are never children in the trie, so the verifier's walk cannot enter one whatever id they
+carry, and nothing drafted changes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import HowlConfig, OwlConfig, SuffixConfig
+from ..core.howl import HowlPolicy, HowlState, Route
+from ..core.owl import DraftBeam, attach_spec_leaves, beam_trees
+from ..core.suffix import SuffixCache
+from ..core.tree import DraftTree, Source
+from ..core.verify import Verdict
+from .base import Draft
+
+# (h_last [B, d], roots [B], h_spec [B, d] | None, has_spec [B] bools) -> DraftBeam
+Expand = Callable[[torch.Tensor, Sequence[int], torch.Tensor | None, Sequence[bool]], DraftBeam]
+
+
+@dataclass
+class OwlState:
+    h_last: torch.Tensor | None  # [d] post-norm hidden state of the last committed token
+    h_spec: torch.Tensor | None = None  # [d] post-norm hidden state of the [SPEC] that followed it
+    howl: HowlState | None = None
+
+
+class Owl:
+    def __init__(self, config: OwlConfig, expand: Expand, spec_token: int):
+        self.config = config
+        self.expand = expand
+        self.spec_token = spec_token
+
+    # -- per request ---------------------------------------------------------------------------
+
+    def start(self, rid: Hashable, history: Sequence[int], h_last: torch.Tensor | None,
+              h_spec: torch.Tensor | None = None) -> OwlState:
+        """A new request whose prefill produced ``h_last`` (and ``h_spec`` after a prefill [SPEC]).
+
+        Without ``h_last`` (a request whose prefill this runtime did not see) OWL has nothing
+        to draft from until its first commit.
+        """
+        return OwlState(h_last, h_spec)
+
+    def finish(self, rid: Hashable) -> None:
+        """The request left (finished or aborted)."""
+
+    def reset(self) -> None:
+        """Forget every request (the engine flushed its cache)."""
+
+    def route(self, state: OwlState, rid: Hashable, history: Sequence[int]) -> Route | None:
+        """How this request drafts this step (None: no draft, one exact token)."""
+        if state.h_last is None:
+            return None
+        spec = self.config.spec
+        return Route(linear=False, use_spec=spec and state.h_spec is not None, attach_spec=spec)
+
+    def linear(self, rid: Hashable) -> list[int]:
+        """The suffix chain :meth:`route` chose for a linear round (HOWL)."""
+        return []
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def propose(self, rids: Sequence[Hashable], states: Sequence[OwlState], roots: Sequence[int],
+                routes: Sequence[Route | None], max_nodes: int | None = None) -> list[Draft]:
+        """One draft per request; the tree rounds of the batch share one beam."""
+        drafts = [Draft(DraftTree(root), route=route) for root, route in zip(roots, routes)]
+        lstm = [b for b, r in enumerate(routes) if r is not None and not r.linear]
+        if lstm:
+            h_last = torch.stack([states[b].h_last for b in lstm])
+            has_spec = [routes[b].use_spec for b in lstm]
+            h_spec = None
+            if any(has_spec):
+                h_spec = torch.stack([states[b].h_spec if use else torch.zeros_like(states[b].h_last)
+                                      for b, use in zip(lstm, has_spec)])
+            lstm_roots = [roots[b] for b in lstm]
+            beam = self.expand(h_last, lstm_roots, h_spec, has_spec)
+            for b, tree in zip(lstm, beam_trees(beam, lstm_roots)):
+                drafts[b].tree = tree
+        for b, (rid, draft, route) in enumerate(zip(rids, drafts, routes)):
+            if route is None:
+                continue
+            if route.linear:
+                cap = None if max_nodes is None else max_nodes - 1
+                draft.tree.add_path(self.linear(rid)[:cap], Source.SUFFIX)
+            draft.depth = draft.tree.max_depth
+            if route.attach_spec:
+                draft.leaves = attach_spec_leaves(draft.tree, self.spec_token)
+        return drafts
+
+    def observe(self, state: OwlState, rid: Hashable, draft: Draft, verdict: Verdict,
+                h_last: torch.Tensor, h_spec: torch.Tensor | None) -> None:
+        """After the commit: the accepted path's last node's state and its [SPEC] leaf's state.
+
+        ``h_last``/``h_spec``: the verify forward's post-norm rows of ``verdict.nodes[-1]`` and of
+        its leaf (None without leaves). Rows the commit dropped are never read again.
+        """
+        state.h_last = h_last
+        state.h_spec = h_spec if draft.leaves else None
+
+
+class Howl(Owl):
+    """OWL trees, or SuffixDecoding chains when they are expected to accept more than ``c`` tokens."""
+
+    def __init__(self, config: OwlConfig, expand: Expand, spec_token: int, suffix: SuffixConfig, howl: HowlConfig):
+        super().__init__(config, expand, spec_token)
+        self.suffix_config = suffix
+        self.policy = HowlPolicy(howl, spec=config.spec)
+        self.suffix = SuffixCache(suffix)
+        self._chains: dict[Hashable, list[int]] = {}
+
+    def start(self, rid, history, h_last, h_spec=None) -> OwlState:
+        state = OwlState(h_last, h_spec, HowlState(has_spec=False))
+        self.suffix.start_request(rid, history)
+        return state
+
+    def finish(self, rid) -> None:
+        self.suffix.stop_request(rid)
+        self._chains.pop(rid, None)
+
+    def reset(self) -> None:
+        self.suffix = SuffixCache(self.suffix_config)
+        self._chains.clear()
+
+    def route(self, state, rid, history) -> Route | None:
+        draft = self.suffix.speculate(rid, history)
+        if state.h_last is None and draft.score <= self.policy.threshold:
+            return None
+        state.howl.has_spec = state.h_spec is not None
+        route = self.policy.route(draft.score, state.howl)
+        if route.linear:
+            self._chains[rid] = list(draft.tokens)
+        return route
+
+    def linear(self, rid) -> list[int]:
+        return self._chains.pop(rid, [])
+
+    def observe(self, state, rid, draft, verdict, h_last, h_spec) -> None:
+        super().observe(state, rid, draft, verdict, h_last, h_spec)
+        if draft.route is not None:
+            self.policy.update(state.howl, draft.route)
+        self.suffix.extend(rid, verdict.tokens)

@@ -1,0 +1,295 @@
+"""SGLang attention backend ``longgen``: FlashInfer everywhere, hybrid tree attention for verify.
+
+SGLang's FlashInfer backend verifies a draft tree with one masked prefill over prefix + tree,
+which re-reads the long prefix for every query tile: 3.9x an AR decode step for a 64-token tree
+at 98K context on an H100. This backend is SGLang 0.5.17's ``FlashInferAttnBackend`` with one
+change: TARGET_VERIFY batches go through :class:`~sgl_longgen.kernels.hybrid.HybridTreeAttention`
+(prefix read once, tree mask on the tree block only, exact LSE merge). Prefill, decode, draft
+decodes with custom ``kv_indices`` and every other mode are the parent's, unchanged.
+
+The hybrid path relies on what every SGLang tree verifier provides: each request has ``N`` draft
+tokens whose K/V are written at ``out_cache_loc`` (passed to the layer as ``k``/``v``), every
+draft token sees the request's whole committed prefix, and ``spec_info.custom_mask`` holds the
+tree in SGLang's flat ``[N, seq_len + N]`` layout. Models the hybrid kernels do not cover
+(sliding windows, encoder-decoder, logit soft-capping, quantized KV caches, unequal QK/V head
+dims) keep the FlashInfer verify path, with a warning.
+
+CUDA graphs: verify metadata goes into persistent buffers in ``init_forward_metadata_out_graph``
+(prefix slots, tree blocks) and the kernels' launch shapes depend only on the batch size, so
+captured graphs replay with new lengths and masks.
+
+Environment:
+    SGLANG_LONGGEN_PREFIX_BACKEND=auto|triton|flashinfer_fold   prefix path (default auto)
+    SGLANG_LONGGEN_VERIFY_CHECK=1   eager only: also run FlashInfer's masked verify on every layer
+        and raise if the outputs differ by more than 2e-2 (relative to max(1, |ref|)).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
+from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend, PrefillMetadata
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.runtime_context import get_parallel
+
+from ... import env
+from ...kernels.folded_decode import fold_supported, workspace_bytes
+from ...kernels.hybrid import DEFAULT_FOLD_MAX_TREE, DEFAULT_FOLD_WORKSPACE_MB, HybridTreeAttention
+from ...kernels.verify_metadata import copy_tree_blocks, custom_mask_layout, prefix_kv_indices, tree_mask_from_custom_mask
+
+logger = logging.getLogger(__name__)
+
+CHECK_TOLERANCE = 2e-2
+
+
+def _tree_blocks(spec_info) -> Optional[torch.Tensor]:
+    """``spec_info.tree_mask`` when the verify input carries its ``[bs, N, N]`` tree blocks."""
+    tree_mask = getattr(spec_info, "tree_mask", None)
+    return tree_mask if isinstance(tree_mask, torch.Tensor) and tree_mask.dim() == 3 else None
+
+
+@dataclass
+class HybridVerifyMetadata:
+    """Forward metadata of a TARGET_VERIFY batch served by the hybrid path."""
+
+    attn: HybridTreeAttention
+    # FlashInfer's own verify metadata, kept only in check mode.
+    reference: Optional[PrefillMetadata] = None
+
+
+def hybrid_unsupported_reason(model_runner, backend: FlashInferAttnBackend) -> Optional[str]:
+    """Why the hybrid verify path cannot serve this model (``None`` if it can)."""
+    cfg = model_runner.model_config
+    if backend.skip_prefill:
+        return "draft backend without prefill wrappers"
+    if model_runner.sliding_window_size is not None or backend.use_sliding_window_kv_pool:
+        return "sliding-window attention"
+    if cfg.is_encoder_decoder:
+        return "encoder-decoder model"
+    if backend.is_dllm_model:
+        return "diffusion LM"
+    if backend.flashinfer_kv_cache_dtype != model_runner.dtype:
+        return f"KV cache dtype {backend.flashinfer_kv_cache_dtype} differs from the model dtype"
+    if model_runner.dtype not in (torch.float16, torch.bfloat16):
+        return f"model dtype {model_runner.dtype}"
+    hf = cfg.hf_config
+    if getattr(hf, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    if getattr(cfg, "v_head_dim", cfg.head_dim) != cfg.head_dim:
+        return "different QK and V head dims"
+    return None
+
+
+class LongGenAttnBackend(FlashInferAttnBackend):
+    """``FlashInferAttnBackend`` whose TARGET_VERIFY attention is the hybrid tree attention."""
+
+    def __init__(self, model_runner, **kwargs):
+        super().__init__(model_runner, **kwargs)
+        attn_tp = get_parallel().attn_tp_size
+        cfg = model_runner.model_config
+        self._num_qo_heads = cfg.get_max_num_attention_heads() // attn_tp
+        self._num_kv_heads = cfg.get_num_kv_heads(attn_tp)
+        self._head_dim = cfg.head_dim
+        self._dtype = model_runner.dtype
+        self._device = torch.device(model_runner.device)
+        self._check = env.get("VERIFY_CHECK", "0") == "1"
+        self._disabled = hybrid_unsupported_reason(model_runner, self)
+        if self._disabled:
+            logger.warning("longgen attention: hybrid verify disabled (%s); using FlashInfer's", self._disabled)
+        self._eager_attn: Optional[HybridTreeAttention] = None
+        # CUDA-graph state, created on the first captured verify batch.
+        self._graph_max_bs: Optional[int] = None
+        self._graph_attn: Dict[int, HybridTreeAttention] = {}
+        self._graph_kv_indptr: Optional[torch.Tensor] = None
+        self._graph_tree_mask: Optional[torch.Tensor] = None
+        self._graph_fold_workspace: Optional[torch.Tensor] = None
+
+    # ----------------------------------------------------------- dispatch
+    def reads_tree_blocks(self) -> bool:
+        """TARGET_VERIFY needs only ``spec_info.tree_mask`` (``[bs, N, N]``), not a FULL custom mask.
+
+        False when FlashInfer's own verify serves instead (unsupported model) or check mode
+        compares against it: both read the FULL mask.
+        """
+        return self._disabled is None and not self._check
+
+    def _serves(self, forward_batch) -> bool:
+        spec_info = forward_batch.spec_info
+        return (
+            self._disabled is None
+            and forward_batch.forward_mode.is_target_verify()
+            and spec_info is not None
+            and (getattr(spec_info, "custom_mask", None) is not None or _tree_blocks(spec_info) is not None)
+            and getattr(spec_info, "ragged_verify_layout", None) is None
+        )
+
+    @staticmethod
+    def _tree_size(forward_batch) -> int:
+        spec_info = forward_batch.spec_info
+        n = getattr(spec_info, "draft_token_num", None)
+        if not n or n <= 0:
+            n = getattr(spec_info, "num_tokens_per_req", -1)
+        if not n or n <= 0:
+            raise ValueError("TARGET_VERIFY batch without draft_token_num / num_tokens_per_req")
+        return int(n)
+
+    # ------------------------------------------------------ eager metadata
+    def init_forward_metadata(self, forward_batch):
+        if not self._serves(forward_batch):
+            return super().init_forward_metadata(forward_batch)
+        reference = None
+        if self._check and getattr(forward_batch.spec_info, "custom_mask", None) is not None:
+            super().init_forward_metadata(forward_batch)
+            reference = self.forward_metadata
+        bs = forward_batch.batch_size
+        tree_size = self._tree_size(forward_batch)
+        seq_lens = forward_batch.seq_lens[:bs]
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        lens_host = [int(x) for x in seq_lens_cpu[:bs].tolist()] if seq_lens_cpu is not None else None
+        total = sum(lens_host) if lens_host is not None else int(forward_batch.seq_lens_sum)
+        kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self._device)
+        kv_indices = torch.empty(max(total, 1), dtype=torch.int32, device=self._device)
+        self._fill_prefix_indices(forward_batch.req_pool_indices[:bs], seq_lens, kv_indptr, kv_indices, total)
+        spec_info = forward_batch.spec_info
+        tree_mask = _tree_blocks(spec_info)
+        if tree_mask is None:
+            custom_mask = spec_info.custom_mask
+            layout = custom_mask_layout(custom_mask.numel(), bs, tree_size, total)
+            tree_mask = tree_mask_from_custom_mask(custom_mask, seq_lens, tree_size, layout=layout)
+        elif tuple(tree_mask.shape) != (bs, tree_size, tree_size):
+            raise ValueError(f"spec_info.tree_mask {tuple(tree_mask.shape)} is not [{bs}, {tree_size}, {tree_size}]")
+        else:
+            tree_mask = tree_mask.to(self._device, non_blocking=True)
+        if self._eager_attn is None:
+            self._eager_attn = HybridTreeAttention(
+                self._num_qo_heads, self._num_kv_heads, self._head_dim, self._device
+            )
+        self._eager_attn.plan(
+            kv_indptr, kv_indices, tree_mask,
+            q_dtype=self._dtype, kv_dtype=self._dtype, prefix_lens_host=lens_host,
+        )
+        self.forward_metadata = HybridVerifyMetadata(self._eager_attn, reference)
+
+    def _fill_prefix_indices(self, req_pool_indices, seq_lens, kv_indptr, kv_indices, total=None) -> None:
+        """Prefix slots of each request into ``kv_indptr``/``kv_indices`` (SGLang's kernel on GPU)."""
+        bs = seq_lens.numel()
+        req_to_token = self.req_to_token_pool.req_to_token
+        if req_to_token.device.type != "cuda":
+            if total is None:
+                total = int(seq_lens.sum())
+            prefix_kv_indices(req_to_token, req_pool_indices, seq_lens, total, kv_indptr=kv_indptr, kv_indices=kv_indices)
+            return
+        kv_indptr[1 : bs + 1] = torch.cumsum(seq_lens, dim=0)
+        create_flashinfer_kv_indices_triton[(bs,)](
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            kv_indptr,
+            None,
+            kv_indices,
+            req_to_token.shape[1],
+        )
+
+    # --------------------------------------------------- CUDA-graph metadata
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, kv_indices_buf: Optional[torch.Tensor] = None):
+        super().init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=kv_indices_buf)
+        self._graph_max_bs = max_bs
+
+    def _graph_buffers(self, tree_size: int) -> None:
+        if self._graph_kv_indptr is not None:
+            return
+        max_bs = self._graph_max_bs
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self._device)
+        self._graph_tree_mask = torch.ones(max_bs * tree_size * tree_size, dtype=torch.uint8, device=self._device)
+        # One scratch space for the folded FlashInfer path, shared by every captured batch size
+        # (graphs replay one at a time), sized for the largest batch within the budget.
+        prefix_backend = env.get("PREFIX_BACKEND", "auto")
+        if prefix_backend != "triton" and fold_supported(
+            self._num_qo_heads, self._num_kv_heads, self._head_dim, tree_size, self._dtype, self._dtype, self._device
+        ) and (prefix_backend == "flashinfer_fold" or tree_size <= DEFAULT_FOLD_MAX_TREE):
+            num_sms = torch.cuda.get_device_properties(self._device).multi_processor_count
+            need = workspace_bytes(max_bs, self._num_qo_heads, self._num_kv_heads, self._head_dim, tree_size, num_sms)
+            need_one = workspace_bytes(1, self._num_qo_heads, self._num_kv_heads, self._head_dim, tree_size, num_sms)
+            size = min(need, DEFAULT_FOLD_WORKSPACE_MB << 20)
+            if size >= need_one:
+                self._graph_fold_workspace = torch.zeros(size, dtype=torch.uint8, device=self._device)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if not self._serves(forward_batch):
+            return super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        bs = forward_batch.batch_size
+        tree_size = self._tree_size(forward_batch)
+        self._graph_buffers(tree_size)
+        kv_indptr = self._graph_kv_indptr[: bs + 1]
+        kv_indices = self.cuda_graph_kv_indices[0]  # the parent's graph buffer; verify never plans it
+        seq_lens = forward_batch.seq_lens[:bs]
+        self._fill_prefix_indices(forward_batch.req_pool_indices[:bs], seq_lens, kv_indptr, kv_indices)
+        tree_mask = self._graph_tree_mask[: bs * tree_size * tree_size].view(bs, tree_size, tree_size)
+        blocks = _tree_blocks(forward_batch.spec_info)
+        if blocks is not None:
+            copy_tree_blocks(blocks, tree_mask)
+        else:  # SGLang's GPU verify inputs use the full layout
+            tree_mask_from_custom_mask(forward_batch.spec_info.custom_mask, seq_lens, tree_size, layout="full", out=tree_mask)
+        attn = self._graph_attn.get(bs)
+        if attn is None:
+            if not in_capture:
+                raise RuntimeError(f"no captured verify graph for batch size {bs}")
+            attn = HybridTreeAttention(
+                self._num_qo_heads, self._num_kv_heads, self._head_dim, self._device,
+                use_cuda_graph=True,
+                graph_kv_indptr_buf=kv_indptr,
+                graph_kv_indices_buf=kv_indices,
+                fold_workspace=self._graph_fold_workspace,
+            )
+            self._graph_attn[bs] = attn
+        total = forward_batch.seq_lens_sum
+        planned_indices = kv_indices[:total] if total is not None else kv_indices
+        attn.plan(kv_indptr, planned_indices, tree_mask, q_dtype=self._dtype, kv_dtype=self._dtype)
+        self.forward_metadata = HybridVerifyMetadata(attn)
+
+    # ------------------------------------------------------------- forward
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        metadata = self.forward_metadata
+        if not isinstance(metadata, HybridVerifyMetadata) or not forward_batch.forward_mode.is_target_verify():
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if layer.logit_cap and layer.logit_cap > 0:
+            raise NotImplementedError("longgen hybrid verify does not implement logit soft-capping")
+        if layer.tp_q_head_num != self._num_qo_heads or layer.qk_head_dim != layer.v_head_dim:
+            raise NotImplementedError("longgen hybrid verify needs uniform head counts and QK/V head dims")
+        num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        cache_loc = forward_batch.out_cache_loc
+        if k is not None and save_kv_cache:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(cache_loc, None), k, v, *self._kv_write_scales(layer))
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        if k is None:  # K/V already in the pool (e.g. written by a fused kernel): read the tree back
+            k_tree, v_tree = k_buffer[cache_loc], v_buffer[cache_loc]
+        else:
+            k_tree = k.view(-1, layer.tp_k_head_num, head_dim)
+            v_tree = v.view(-1, layer.tp_v_head_num, head_dim)
+        q3 = q.contiguous().view(-1, num_heads, head_dim)
+        o = metadata.attn.run(q3, k_buffer, v_buffer, k_tree, v_tree, sm_scale=layer.scaling)
+        if metadata.reference is not None:
+            self._check_against_flashinfer(o, q, k, v, layer, forward_batch, metadata)
+        return o.view(-1, num_heads * head_dim)
+
+    def _check_against_flashinfer(self, o, q, k, v, layer, forward_batch, metadata) -> None:
+        self.forward_metadata = metadata.reference
+        try:
+            ref = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
+        finally:
+            self.forward_metadata = metadata
+        ref = ref.view_as(o).float()
+        err = (o.float() - ref).abs().max().item()
+        scale = max(1.0, ref.abs().max().item())
+        logger.info("longgen verify check layer %d path %s: max|hybrid - flashinfer| = %.3g",
+                    layer.layer_id, metadata.attn.path, err)
+        if not err <= CHECK_TOLERANCE * scale:
+            raise RuntimeError(
+                f"longgen hybrid verify differs from FlashInfer on layer {layer.layer_id}: "
+                f"max abs err {err:.4g} (scale {scale:.3g}, path {metadata.attn.path})"
+            )

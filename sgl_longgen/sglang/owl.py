@@ -1,0 +1,119 @@
+"""OWL and HOWL's drafters on SGLang.
+
+OWL needs no draft forward of the target: its LSTM drafter reads the post-final-norm hidden
+state of the last committed token (and of the [SPEC] leaf that followed it in the last verify
+forward) and expands a tree. The verify forward returns every row's hidden state
+(``CaptureHiddenMode.FULL``) and the method keeps the accepted ones (:mod:`sgl_longgen.methods.owl`).
+
+[SPEC] never touches the model's weights: its rows go through the forward with SGLang's input
+embedding override (``replace_embeds`` / ``replace_positions``) set to the drafter checkpoint's
+vector, so no vocabulary row is sacrificed and a [SPEC] can never be sampled. Its KV slots are
+never accepted, so the commit drops them with the other rejected nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+from ..core.owl import GraphedExpand, expand, load_drafter, verify_width
+from ..core.verify import Verdict
+from ..errors import LonggenError
+from ..methods import Draft, Howl, Owl
+from .draft_dir import inspect_owl_draft_dir
+from .drafter import Drafter, Shadow
+from .requests import PenaltyDefaults, StepRequest
+
+SPEC_INPUT_ID = 0  # any valid id: the row's embedding is replaced by the [SPEC] vector
+
+
+class OwlDrafter(Drafter):
+    verify_capture = CaptureHiddenMode.FULL
+    prefill_capture = CaptureHiddenMode.LAST
+
+    def __init__(self, env):
+        self.env = env
+        sa = env.server_args
+        draft = inspect_owl_draft_dir(sa.speculative_draft_model_path, sa.model_path)
+        o = self.owl = draft.defaults.owl
+        width = verify_width(o.tree_size, o.spec)
+        if width > env.num_nodes:
+            raise LonggenError(f"OWL trees of {o.tree_size} nodes need speculative_num_draft_tokens >= "
+                               f"{width}, got {env.num_nodes}")
+        dtype = next(env.runner.model.parameters()).dtype
+        self.drafter = load_drafter(draft.path).to(device=env.device, dtype=dtype)
+        self.spec_vector = self.drafter.spec_embedding.detach() if o.spec else None
+        if sa.disable_cuda_graph:
+            def beam(h, roots, h_spec, has_spec):
+                return expand(self.drafter, h, roots, h_spec, torch.tensor(has_spec), top_k=o.top_k, depth=o.depth,
+                              tree_size=o.tree_size)
+        else:  # CUDA graph of the beam on GPU (plain calls on CPU tensors)
+            from ..kernels.owl_beam import fused_expand
+
+            beam = GraphedExpand(self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size,
+                                 fast=fused_expand if o.beam == "fused" else None, compile=o.beam == "compiled")
+        self.method = self._method(draft.defaults, beam)
+        sampling = draft.defaults.sampling
+        self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
+        self.prefill_states: dict[str, torch.Tensor] = {}
+        self._hidden: torch.Tensor | None = None
+
+    def _method(self, defaults, beam) -> Owl:
+        return Owl(defaults.owl, beam, SPEC_INPUT_ID)
+
+    # -- per request -------------------------------------------------------------------------------
+
+    def after_extend(self, batch, result) -> None:
+        hidden = result.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("the prefill forward returned no hidden states for OWL")
+        for b, req in enumerate(batch.reqs):
+            self.prefill_states[req.rid] = hidden[b].detach().clone()
+
+    def start(self, step: StepRequest):
+        # A missing state (a request we never saw prefilled) costs root-only steps until its first commit.
+        return self.method.start(step.rid, step.history, self.prefill_states.pop(step.rid, None))
+
+    def finish(self, rid: str) -> None:
+        self.prefill_states.pop(rid, None)
+        self.method.finish(rid)
+
+    def reset(self) -> None:
+        self.method.reset()
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
+        shadow()
+        routes = [None if step.blocker is not None else self.method.route(step.state.method, step.rid, step.history)
+                  for step in steps]
+        return self.method.propose([s.rid for s in steps], [s.state.method for s in steps], [s.root for s in steps],
+                                   routes, self.env.num_nodes)
+
+    def before_verify(self, batch, steps: list[StepRequest], drafts: list[Draft]) -> None:
+        n = self.env.num_nodes
+        rows = [b * n + leaf for b, draft in enumerate(drafts) for leaf in draft.leaves]
+        if rows:
+            batch.replace_positions = torch.tensor(rows, dtype=torch.int64, device=self.env.device)
+            batch.replace_embeds = self.spec_vector.expand(len(rows), -1).contiguous()
+
+    def after_verify(self, steps: list[StepRequest], drafts: list[Draft], logits_output) -> None:
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("the verify forward returned no hidden states for OWL")
+        self._hidden = hidden.view(len(steps), self.env.num_nodes, -1)
+
+    def observe(self, steps: list[StepRequest], drafts: list[Draft], verdicts: list[Verdict]) -> None:
+        hidden, self._hidden = self._hidden, None
+        for b, (step, draft, verdict) in enumerate(zip(steps, drafts, verdicts)):
+            last = verdict.nodes[-1]
+            h_spec = hidden[b, draft.leaves[last]].clone() if draft.leaves else None
+            self.method.observe(step.state.method, step.rid, draft, verdict, hidden[b, last].clone(), h_spec)
+
+
+class HowlDrafter(OwlDrafter):
+    """OWL trees, or SuffixDecoding chains when they are expected to accept more than ``c`` tokens."""
+
+    def _method(self, defaults, beam) -> Howl:
+        return Howl(defaults.owl, beam, SPEC_INPUT_ID, defaults.suffix, defaults.howl)

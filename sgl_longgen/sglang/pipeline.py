@@ -1,0 +1,69 @@
+"""The one draft forward queued ahead of the step that will use it.
+
+A TokenSwift draft depends only on the committed KV, the root and the partial-KV selection, so
+it can start as soon as a step's commit is queued: on the device right behind the commit (a
+*chained* draft, whose inputs come from the walk without the host) or, once the host has walked
+the trees, at the end of the step (*ahead*). Either way the next step uses it only if its batch
+is the same (rid, request slot, committed length per request); otherwise it is dropped.
+
+On a GPU its graph replays on a stream of its own, so SGLang's scheduler reads the step's
+results (a device-to-host copy on the main stream) while the draft computes. Every forward of
+the worker first makes the main stream wait for it (:meth:`DraftPipeline.wait`): nothing else
+writes the KV or the graph buffers it reads meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class QueuedDraft:
+    key: tuple  # (rid, req_pool_idx, seq_len) per request: the step that may use it
+    candidates: torch.Tensor
+    done: torch.cuda.Event | None  # recorded on the draft's stream after it (GPU)
+    gpu_span: list | None  # the forward's CUDA events (timed steps)
+
+
+def batch_key(steps, lengths=None) -> tuple:
+    lengths = lengths if lengths is not None else [s.seq_len for s in steps]
+    return tuple((s.req.rid, s.req.req_pool_idx, n) for s, n in zip(steps, lengths))
+
+
+class DraftPipeline:
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.queued: QueuedDraft | None = None
+        self.chained: tuple | None = None  # (candidates, done, span) queued behind this step's commit
+
+    def wait(self) -> None:
+        """Make the current stream wait for the queued draft (before any other forward)."""
+        queued = self.queued
+        if queued is not None and queued.done is not None:
+            torch.cuda.current_stream().wait_event(queued.done)
+
+    def take(self, key: tuple) -> QueuedDraft | None:
+        """The queued draft if it was made for this batch; otherwise it is dropped."""
+        queued = self.queued
+        if queued is not None and queued.key == key:
+            self.queued = None
+            return queued
+        self.drop()
+        return None
+
+    def keep(self, key: tuple, launched: tuple) -> None:
+        """Queue ``launched`` = (candidates, done, span) for the step with ``key``."""
+        self.drop()
+        self.queued = QueuedDraft(key, *launched)
+
+    def drop(self) -> None:
+        """Forget the queued draft once its copies have read their (reused) staging buffers."""
+        queued, self.queued = self.queued, None
+        if queued is not None and queued.done is not None:
+            queued.done.synchronize()
+
+    def reset(self) -> None:
+        self.chained = None
+        self.drop()

@@ -1,0 +1,359 @@
+"""TOKENSWIFT's drafter on SGLang: the root over the partial KV through the target's own runner.
+
+Per step and request the root token goes through SGLang's model runner in DECODE mode over the
+request's *partial* KV only (explicit ``kv_indices``: the positions
+:meth:`sgl_longgen.methods.TokenSwift.view` names, as KV slots), the pre-norm state feeds the
+three heads, and their top candidates plus n-grams of the request's history form the trie. The
+forward, the heads and their top-k replay as one CUDA graph (:mod:`.draft_graph`); the host reads
+back a few candidates per head. While that graph runs, the host does what does not need its
+result: indexing the n-grams committed last step and the verify's fixed inputs. A due
+re-selection is scored in the same draft forward (eagerly, with the root's query).
+
+Between re-selections every draft attends to exactly ``budget`` positions, so the next draft's
+inputs follow from the verify's walk on the device and it is queued right behind the commit
+(:meth:`TokenSwiftDrafter.after_walk`); otherwise the host queues it once it has walked the
+trees (:meth:`TokenSwiftDrafter.after_commit`). See :mod:`.pipeline`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from ..core.heads import load_heads
+from ..core.partial_kv import steady_visible_slots
+from ..core.tokenswift import candidate_count, head_candidates
+from ..core.verify import TreeWalks, Verdict
+from ..errors import LonggenError
+from ..methods import Draft, TokenSwift, TokenSwiftState
+from .capture import ImportanceScorer, PreNormCapture
+from .draft_dir import inspect_heads_draft_dir
+from .draft_graph import DraftGraphRunner
+from .drafter import Drafter, Shadow
+from .inputs import PartialDraftInput
+from .pipeline import DraftPipeline, batch_key
+from .requests import PenaltyDefaults, StepRequest
+
+
+def likely_finishes(req, tokens: list[int]) -> bool:
+    """The scheduler will finish ``req`` on these tokens (length or a stop token id).
+
+    A draft queued for a finished request is only wasted device time, so this need not be
+    complete (stop strings are not checked).
+    """
+    if len(req.output_ids) + len(tokens) >= req.sampling_params.max_new_tokens:
+        return True
+    if req.sampling_params.ignore_eos:
+        return False
+    stops = set(req.eos_token_ids or ()) | set(req.sampling_params.stop_token_ids or ())
+    tokenizer = getattr(req, "tokenizer", None)
+    if tokenizer is not None:
+        stops.add(tokenizer.eos_token_id)
+        stops.update(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+    return any(t in stops for t in tokens)
+
+
+class TokenSwiftDrafter(Drafter):
+    def __init__(self, env):
+        self.env = env
+        sa = env.server_args
+        draft = inspect_heads_draft_dir(sa.speculative_draft_model_path, sa.model_path)
+        ts = draft.defaults.tokenswift
+        self.method = TokenSwift(ts)
+        sampling = draft.defaults.sampling
+        self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
+        model = env.runner.model
+        dtype = next(model.parameters()).dtype
+        self.heads = load_heads(draft.path, hidden_size=draft.checkpoint["hidden_size"],
+                                num_heads=ts.num_heads).to(device=env.device, dtype=dtype).eval()
+        self.lm_head_weight = model.lm_head.weight
+        if env.vocab_size >= 1 << 24:
+            raise LonggenError(f"TOKENSWIFT supports vocabularies below 2**24 tokens, got {env.vocab_size}")
+        self.num_candidates = candidate_count(ts.tree, env.vocab_size)
+        self.capture = PreNormCapture(model)
+        self.scorer = ImportanceScorer(env.runner)
+        self.graphs = DraftGraphRunner(env.runner, self.capture, self._candidates)
+        self.pipeline = DraftPipeline(env.device)
+        self._last_candidates: tuple[list, list] | None = None  # for _rehearse
+        self._steady_fixed: dict[int, tuple] = {}  # batch size -> steady draft's constant inputs
+        self._fused_steady = None  # the steady draft inputs' kernel, where the walk is fused too
+        if env.device.type == "cuda":
+            from ..kernels.tree_accept import MAX_NODES, steady_draft_inputs
+
+            if env.num_nodes <= MAX_NODES:
+                self._fused_steady = steady_draft_inputs
+
+    # -- per request ------------------------------------------------------------------------------
+
+    def start(self, step: StepRequest) -> TokenSwiftState:
+        return self.method.start(step.seq_len)
+
+    # -- draft -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
+        clock = self.env.clock
+        queued = self.pipeline.take(batch_key(steps))
+        clock.note("draft_queued_ahead", float(queued is not None))
+        if queued is not None:
+            candidates, span = queued.candidates, queued.gpu_span
+        else:
+            candidates, _, span = self._forward(batch, steps)
+        clock.adopt("draft_gpu", span)
+        # In the draft forward's shadow: everything that does not need its candidates.
+        windows = []
+        for step in steps:
+            self.method.index(step.state.method, step.history, step.sampling)
+            windows.append(self.method.penalty_window(step.history, step.sampling) if step.blocker is None else None)
+        shadow()
+        self._rehearse(steps, windows)
+        clock.section("draft_shadow")
+        values, ids = candidates.cpu().tolist()
+        clock.section("draft_wait")
+        drafts = self._tries(steps, values, ids, windows)
+        self._last_candidates = (values, ids)
+        clock.section("draft_tree")
+        return drafts
+
+    def _tries(self, steps: list[StepRequest], values: list, ids: list, windows: list) -> list[Draft]:
+        return [Draft.root_only(step.root) if step.blocker is not None else
+                self.method.propose(step.state.method, step.root, values[b], ids[b], step.sampling, windows[b],
+                                    self.env.num_nodes)
+                for b, step in enumerate(steps)]
+
+    def _rehearse(self, steps: list[StepRequest], windows: list) -> None:
+        """Build the tries once from the previous step's candidates, and drop them.
+
+        From the draft's end to the verify's launch the GPU waits for exactly this host work. Run
+        cold, after SGLang's scheduler has been through its own data between steps, the same
+        Python takes 3-4 times as long as warm (one trie: 180 us cold, 50 us rehearsed, 38 us in
+        a loop, on a CPU host); here the host is waiting for the draft forward anyway.
+        """
+        last = self._last_candidates
+        if last is not None and len(last[0]) == len(steps):
+            self._tries(steps, *last, windows)
+
+    def _candidates(self, normed: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor]:
+        """The heads' raw top candidates (in the draft graph when there is one).
+
+        Values and token ids travel as one ``[2, bs, 1 + H, k]`` fp32 tensor (ids below 2**24 are
+        exact), so the host reads them with one copy.
+        """
+        values, ids = head_candidates(self.heads, h0, normed, self.lm_head_weight, self.method.config.num_heads,
+                                      self.env.vocab_size, self.num_candidates)
+        return (torch.stack([values, ids.to(values.dtype)]),)
+
+    def _draft_inputs(self, batch, steps: list[StepRequest]) -> SimpleNamespace:
+        """What the draft forward reads: each root over its request's partial KV.
+
+        Slots are gathered from views of each request's ``req_to_token`` row (one concatenation
+        for the batch); the few per-request integers travel in one pinned host-to-device copy.
+        """
+        bs = len(steps)
+        table = batch.req_to_token_pool.req_to_token
+        parts, root_slots, lens, scores = [], [], [], []
+        for step in steps:
+            state: TokenSwiftState = step.state.method
+            view = self.method.view(state)
+            row = table[step.req.req_pool_idx]  # a view: slices of it copy nothing
+            n = 1
+            for lo, hi in view.ranges:
+                if hi > lo:
+                    parts.append(row[lo:hi])
+                    n += hi - lo
+            if view.keep.shape[1]:
+                parts.append(self._selected_slots(state, row)[: view.keep.shape[1]])
+                n += view.keep.shape[1]
+            root_slots.append(row[step.seq_len : step.seq_len + 1])  # the first slot of its verify window
+            parts.append(root_slots[-1])
+            lens.append(n)
+            scores.append(view.score if step.blocker is None else None)
+        host = self.env.staging("draft", 4 * bs + 1, torch.int32)
+        packed = host.numpy()
+        packed[:bs] = [s.root for s in steps]
+        packed[bs : 2 * bs] = lens
+        packed[2 * bs : 3 * bs] = [s.seq_len for s in steps]
+        packed[3 * bs :] = list(itertools.accumulate(lens, initial=0))
+        kv_lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        ints = host.to(self.env.device, non_blocking=True, copy=True)
+        spec = PartialDraftInput(positions=ints[2 * bs : 3 * bs], kv_indptr=ints[3 * bs :],
+                                 kv_indices=torch.cat(parts), score_ranges=scores)
+        return SimpleNamespace(input_ids=ints[:bs], positions=spec.positions,
+                               out_cache_loc=root_slots[0] if bs == 1 else torch.cat(root_slots),
+                               req_pool_indices=batch.req_pool_indices, seq_lens=ints[bs : 2 * bs],
+                               seq_lens_cpu=kv_lens_cpu, seq_lens_sum=int(sum(lens)), spec_info=spec)
+
+    def _selected_slots(self, state: TokenSwiftState, row: torch.Tensor) -> torch.Tensor:
+        """KV slots of the policy's current selection (ranked), computed once per selection.
+
+        Selected positions lie before every later verify window, so their slots never move.
+        """
+        selected = state.policy.selected
+        if state.slots is None or state.slots[0] is not selected:
+            state.slots = (selected, row[selected[0].to(self.env.device)])
+        return state.slots[1]
+
+    def _forward(self, batch, steps: list[StepRequest], stream: torch.cuda.Stream | None = None,
+                 inputs: SimpleNamespace | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None, list | None]:
+        """Root tokens through the target over their partial KV: the heads' raw top candidates.
+
+        From a CUDA graph the results are still being computed when this returns; with
+        ``stream`` the graph replays there (see :meth:`_replay`). Also returns an event recorded
+        after the candidates and the forward's GPU span (timed steps), for graph replays.
+        ``inputs``: built on the device already (:meth:`_steady_inputs`), else from the host's
+        view of ``steps``.
+        """
+        if inputs is None:
+            inputs = self._draft_inputs(batch, steps)
+        spec = inputs.spec_info
+        done = span = None
+        if self.graphs.ready(len(steps)) and not spec.wants_scores:
+            self.graphs.load(inputs)
+            candidates, done, span = self._replay(len(steps), stream)
+        else:
+            (candidates,) = self._forward_batch(batch, inputs)
+        for b, scores in spec.scores.items():
+            state = steps[b].state.method
+            self.method.select(state, scores[None, None].cpu())
+            # The host just waited for the scores: the slots' copy to the device costs no sync now.
+            self._selected_slots(state, batch.req_to_token_pool.req_to_token[steps[b].req.req_pool_idx])
+        return candidates, done, span
+
+    def _replay(self, batch_size: int, stream: torch.cuda.Stream | None):
+        """Launch the draft graph (loaded) on ``stream``, after the current stream's work so far.
+
+        Inputs are gathered and loaded on the current stream, ordered before anything SGLang
+        does to the request table next (a finished request's row can be reassigned); only the
+        replay moves.
+        """
+        main = torch.cuda.current_stream()
+        if stream is not None:
+            stream.wait_stream(main)
+        span = self.env.clock.span_events()
+        done = span[1] if span is not None else (torch.cuda.Event() if stream is not None else None)
+        with torch.cuda.stream(stream or main):
+            if span is not None:
+                span[0].record()
+            (candidates,) = self.graphs.launch(batch_size)
+            if done is not None:
+                done.record()
+        return candidates, done, span
+
+    def _forward_batch(self, batch, inputs: SimpleNamespace) -> tuple[torch.Tensor]:
+        """The draft forward through a ``ForwardBatch``: first captures, scoring steps, no graphs."""
+        names = ("forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu", "seq_lens_sum")
+        saved = tuple(getattr(batch, k) for k in names)
+        try:
+            batch.forward_mode = ForwardMode.DECODE
+            for k in names[1:]:
+                setattr(batch, k, getattr(inputs, k))
+            forward_batch = ForwardBatch.init_new(batch, self.env.runner, return_hidden_states_before_norm=False)
+            if self.graphs.can_run(forward_batch):
+                return self.graphs.run(forward_batch)
+            with self.capture:
+                self.env.runner.forward(forward_batch)
+            return self._candidates(self.capture.normed, self.capture.value)
+        finally:
+            for k, v in zip(names, saved):
+                setattr(batch, k, v)
+
+    # -- the next draft, queued early --------------------------------------------------------------
+
+    def _steady(self, steps: list[StepRequest], drafts: list[Draft]) -> bool:
+        """Every request's next draft attends to exactly ``budget`` positions, whatever this step
+        commits, and none finishes by length within those tokens."""
+        if self.pipeline.stream is not None and not self.graphs.ready(len(steps)):
+            return False
+        for step, draft in zip(steps, drafts):
+            most = draft.tree.max_depth + 1  # the most tokens this step can commit
+            if (not self.method.fixed_view(step.state.method, step.seq_len, most)
+                    or len(step.req.output_ids) + most >= step.req.sampling_params.max_new_tokens):
+                return False
+        return True
+
+    def _steady_inputs(self, batch, steps: list[StepRequest], walks: TreeWalks) -> SimpleNamespace:
+        """The next draft's inputs (see :meth:`_draft_inputs`) from the walk, on the device."""
+        dev, bs = self.env.device, len(steps)
+        table = batch.req_to_token_pool.req_to_token
+        pkv = self.method.config.partial_kv
+        kv_len = pkv.budget + 1
+        selected = []
+        for step in steps:
+            state: TokenSwiftState = step.state.method
+            selected.append(self._selected_slots(state, table[step.req.req_pool_idx])[: state.policy.capacity])
+        host = self.env.staging("chain", bs, torch.int64)
+        host.numpy()[:] = [s.state.method.policy.sel_len for s in steps]
+        sel_lens = host.to(dev, non_blocking=True, copy=True)
+        fixed = self._steady_fixed.get(bs)
+        if fixed is None:  # KV index pointers and lengths, device and host, and arange(budget)
+            fixed = self._steady_fixed[bs] = (
+                torch.arange(bs + 1, dtype=torch.int32, device=dev) * kv_len,
+                torch.full((bs,), kv_len, dtype=torch.int32, device=dev),
+                torch.full((bs,), kv_len, dtype=torch.int32),
+                torch.arange(kv_len - 1, device=dev))
+        indptr, kv_lens, kv_lens_cpu, offsets = fixed
+        selected = selected[0][None] if bs == 1 else torch.stack(selected)
+        if self._fused_steady is not None:
+            slots, root_slots, input_ids, lengths = self._fused_steady(
+                table, batch.req_pool_indices, batch.seq_lens, walks.count, sel_lens, selected, walks.last,
+                pkv.sinks, pkv.budget)
+        else:
+            lengths = batch.seq_lens + walks.count
+            slots = steady_visible_slots(table, batch.req_pool_indices, lengths, sel_lens, selected, pkv.sinks, offsets)
+            root_slots, input_ids = slots[:, -1], walks.last
+        spec = PartialDraftInput(positions=lengths, kv_indptr=indptr, kv_indices=slots.flatten(),
+                                 score_ranges=[None] * bs)
+        return SimpleNamespace(input_ids=input_ids, positions=lengths, out_cache_loc=root_slots,
+                               req_pool_indices=batch.req_pool_indices, seq_lens=kv_lens,
+                               seq_lens_cpu=kv_lens_cpu, seq_lens_sum=bs * kv_len, spec_info=spec)
+
+    @torch.no_grad()
+    def after_walk(self, batch, steps: list[StepRequest], drafts: list[Draft], walks: TreeWalks) -> None:
+        """In the steady state, queue the next draft right behind the commit on the device.
+
+        The host is free while the verify forward runs, so the draft's inputs are queued then,
+        from the walk's device results; the GPU goes from the verify to the draft without waiting
+        for the host to read the draws, walk and commit.
+        """
+        self.pipeline.chained = None
+        steady = self._steady(steps, drafts)
+        self.env.clock.note("draft_chained", float(steady))
+        if steady:
+            inputs = self._steady_inputs(batch, steps, walks)
+            self.pipeline.chained = self._forward(batch, steps, self.pipeline.stream, inputs)
+
+    def observe(self, steps: list[StepRequest], drafts: list[Draft], verdicts: list[Verdict]) -> None:
+        # The new n-grams are indexed by the next draft, while its forward runs.
+        for step, verdict in zip(steps, verdicts):
+            self.method.observe(step.state.method, step.seq_len + len(verdict.nodes))
+
+    @torch.no_grad()
+    def after_commit(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
+        """Queue the next step's draft now, unless it was chained already.
+
+        Not when a request's next draft re-scores the partial KV (an eager forward with hooks),
+        when a request is about to finish, or on a GPU without a ready draft graph.
+        """
+        chained, self.pipeline.chained = self.pipeline.chained, None
+        nxt = [replace(step, seq_len=step.seq_len + len(verdict.tokens)) for step, verdict in zip(steps, verdicts)]
+        if chained is not None:
+            self.pipeline.keep(batch_key(nxt), chained)
+            return
+        self.pipeline.drop()
+        if any(likely_finishes(step.req, verdict.tokens) for step, verdict in zip(steps, verdicts)):
+            return
+        if any(step.blocker is None and self.method.view(step.state.method).score is not None for step in nxt):
+            return
+        if self.pipeline.stream is not None and not self.graphs.ready(len(nxt)):
+            return  # an eager forward gains nothing from running early on a GPU
+        self.pipeline.keep(batch_key(nxt), self._forward(batch, nxt, self.pipeline.stream))
+
+    def before_forward(self) -> None:
+        self.pipeline.wait()
+
+    def reset(self) -> None:
+        self.pipeline.reset()

@@ -1,0 +1,272 @@
+"""A step's verification on SGLang: the padded tries through one TARGET_VERIFY forward, one draw
+per node, the walk and the commit, all queued on the device before the host reads anything.
+
+1. Every request's trie is padded to ``speculative_num_draft_tokens`` nodes (SGLang verifies a
+   fixed width per request; padding hangs off the root and is never walked).
+2. Each node's logits become its target distribution (SGLang's logit bias, the node's own
+   contextual-penalty window, temperature and SGLang's joint top-k/top-p/min-p) and one token is
+   drawn there (:func:`sgl_longgen.core.verify.draw_tree`, the reference runtime's draw).
+3. The walk runs on the device (:func:`sgl_longgen.core.verify.walk_trees`, or one fused kernel on
+   GPUs) and commits each walked path by permuting the request's ``req_to_token`` window: with
+   one token per page, SGLang names KV slots only through that row.
+4. The draws and counts come back in one page-locked copy; the host repeats the walk
+   (:func:`sgl_longgen.core.verify.walk_tree`) for its bookkeeping and checks that both agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+from ..core.sampling import LogitsProcessor
+from ..core.tree import bits_to_rows
+from ..core.verify import TreeWalks, Verdict, draw_tree, walk_tree, walk_trees
+from ..methods import Draft
+from .buffers import Staging, VerifyBuffers
+from .inputs import TreeVerifyInput
+from .requests import StepRequest
+
+
+@dataclass
+class VerifyWindows:
+    """Verify inputs known before the tries: slots and the FULL custom mask's prefix part."""
+
+    out_cache_loc: torch.Tensor  # [bs * N] int64: each request's verify window
+    custom_mask: torch.Tensor | None  # flat FULL-layout mask, all True until the tries go in
+    mask_offsets: list[int]  # where each request's [N, seq_len + N] block starts
+
+
+@dataclass
+class Launched:
+    """A verify forward on its way: SGLang's result and the inputs it read."""
+
+    result: object  # GenerationBatchResult of the target's forward
+    inputs: VerifyBuffers
+    spec: TreeVerifyInput
+
+
+class Verifier:
+    def __init__(self, target_worker, num_nodes: int, vocab_size: int, device: torch.device, staging: Staging,
+                 capture_hidden_mode: CaptureHiddenMode):
+        self.target_worker = target_worker
+        self.runner = target_worker.model_runner
+        self.num_nodes = num_nodes
+        self.vocab_size = vocab_size
+        self.device = device
+        self.staging = staging
+        self.capture_hidden_mode = capture_hidden_mode
+        self.full_mask: bool | None = None  # decided at the first step: the backend exists by then
+        self._buffers: dict[int, VerifyBuffers] = {}
+        self._windows: VerifyWindows | None = None
+        self._last: tuple[list[StepRequest], list[Draft]] | None = None  # for the rehearsal
+        self._columns = torch.arange(num_nodes, device=device)  # a verify window's columns
+        self._fused = None  # the fused walk-and-commit kernel, on GPUs
+        if device.type == "cuda":
+            from ..kernels.tree_accept import MAX_NODES, walk_and_commit
+
+            if num_nodes <= MAX_NODES:
+                self._fused = walk_and_commit
+
+    # -- inputs ------------------------------------------------------------------------------------
+
+    def prepare(self, batch, steps: list[StepRequest]) -> None:
+        """What does not need the tries, queued now (a drafter calls it while its forward runs).
+
+        Also fills the verify inputs once from the previous step's tries and drops them: run
+        cold, after SGLang's scheduler has been through its own data between steps, that Python
+        takes 3-4 times as long as warm, and here the host waits for the draft forward anyway.
+        """
+        if self.full_mask is None:
+            # Backends that verify from TreeVerifyInput.tree_mask alone (ours) say so; for the
+            # others each step builds SGLang's FULL custom mask ([N, seq_len + N] per request).
+            reads_tree_blocks = getattr(self.runner.attn_backend, "reads_tree_blocks", None)
+            self.full_mask = not (callable(reads_tree_blocks) and reads_tree_blocks())
+        n = self.num_nodes
+        table = batch.req_to_token_pool.req_to_token
+        windows = [table[s.req.req_pool_idx, s.seq_len : s.seq_len + n] for s in steps]
+        # A copy, never a view of the table: the commit permutes the table's window entries.
+        out_cache_loc = windows[0].to(torch.int64, copy=True) if len(windows) == 1 else torch.cat(windows).to(torch.int64)
+        custom_mask, offsets = None, []
+        if self.full_mask:
+            total = 0
+            for s in steps:
+                offsets.append(total)
+                total += n * (s.seq_len + n)
+            custom_mask = torch.ones(total, dtype=torch.bool, device=self.device)
+        self._windows = VerifyWindows(out_cache_loc, custom_mask, offsets)
+        last = self._last
+        if last is not None and len(last[1]) == len(steps):
+            self._fill(steps, last[1])
+
+    def _buffers_for(self, bs: int) -> VerifyBuffers:
+        buffers = self._buffers.get(bs)
+        if buffers is None:
+            buffers = self._buffers[bs] = VerifyBuffers(bs, self.num_nodes, self.device)
+        return buffers
+
+    def _fill(self, steps: list[StepRequest], drafts: list[Draft]) -> VerifyBuffers:
+        """The tries' verify inputs in the page-locked host buffer (nothing queued on the device)."""
+        n = self.num_nodes
+        buf = self._buffers_for(len(drafts))
+        tokens, positions, parents, walk_tokens = buf.ints
+        for b, (step, draft) in enumerate(zip(steps, drafts)):
+            tree = draft.tree
+            t, walkable = len(tree), tree.num_walkable
+            if t > n:
+                raise RuntimeError(f"draft produced {t} nodes, more than speculative_num_draft_tokens={n}")
+            pad = n - t
+            bits = tree.ancestor_bits()
+            bits.extend(1 | (1 << i) for i in range(t, n))  # padding nodes: the root and themselves
+            bits_to_rows(bits, n, buf.masks[b])
+            tokens[b] = tree.tokens + [step.root] * pad
+            positions[b] = tree.depths + [1] * pad
+            positions[b] += step.seq_len
+            parents[b] = [0, *tree.parents[1:]] + [0] * pad
+            walk_tokens[b] = [-1, *tree.tokens[1:walkable]] + [-1] * (n - walkable)
+        return buf
+
+    # -- the forward ---------------------------------------------------------------------------------
+
+    def launch(self, batch, steps: list[StepRequest], drafts: list[Draft],
+               before_forward: Callable[[object], None]) -> Launched:
+        """Queue the verify forward of the padded tries (``before_forward(batch)``: a drafter's last
+        changes to the batch, such as input-embedding overrides)."""
+        if self._windows is None:
+            self.prepare(batch, steps)
+        windows, self._windows = self._windows, None
+        n = self.num_nodes
+        buf = self._fill(steps, drafts)
+        self._last = (steps, drafts)
+        buf.device.copy_(buf.host, non_blocking=True)
+        if windows.custom_mask is not None:
+            for b, (step, offset) in enumerate(zip(steps, windows.mask_offsets)):
+                width = step.seq_len + n
+                windows.custom_mask[offset : offset + n * width].view(n, width)[:, step.seq_len :].copy_(buf.tree_mask[b])
+        spec = TreeVerifyInput(draft_token=buf.draft_token, positions=buf.positions, tree_mask=buf.tree_mask,
+                               custom_mask=windows.custom_mask, draft_token_num=n,
+                               capture_hidden_mode=self.capture_hidden_mode)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = spec.draft_token
+        batch.out_cache_loc = windows.out_cache_loc
+        batch.spec_info = spec
+        before_forward(batch)
+        result = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        return Launched(result, buf, spec)
+
+    # -- draws, walk, commit ---------------------------------------------------------------------------
+
+    def draw(self, batch, steps: list[StepRequest], drafts: list[Draft], logits: torch.Tensor) -> torch.Tensor:
+        """One token per node, each from that node's exact target distribution: ``[bs, N]``.
+
+        Queued on the device without a host sync; nodes a walk never draws at (padding, leaves)
+        hold any value.
+        """
+        n, vocab = self.num_nodes, self.vocab_size
+        bs = len(steps)
+        logits = logits[:, :vocab].view(bs, n, vocab)
+        info = batch.sampling_info
+        root_sglang = None
+        if any(s.blocker is not None for s in steps):
+            # SGLang's own processing of the root rows: penalizers, grammar, bias, custom processors.
+            from sglang.srt.layers.sampler import apply_custom_logit_processor
+
+            root_sglang = logits[:, 0].clone()
+            info.apply_logits_bias(root_sglang)
+            if info.has_custom_logit_processor:
+                apply_custom_logit_processor(root_sglang, info)
+        # Requests whose distribution depends only on their own logits (greedy, no penalty, no
+        # bias) share one argmax over all their rows.
+        shared = [b for b, s in enumerate(steps) if s.blocker is None and s.sampling.greedy
+                  and not s.sampling.penalty_active and info.logit_bias is None]
+        if shared:
+            proc = LogitsProcessor(steps[shared[0]].sampling, vocab)
+            if len(shared) == bs:
+                return proc.sample(logits.flatten(0, 1)).view(bs, n)
+        draws = torch.full((bs, n), -2, dtype=torch.int64, device=logits.device)  # no token, no walk token
+        if shared:
+            draws[shared] = proc.sample(logits[shared].flatten(0, 1)).view(len(shared), n)
+        for b, (step, draft) in enumerate(zip(steps, drafts)):
+            if b in shared:
+                continue
+            if step.blocker is not None:
+                # Any penalty is already in SGLang's processing of the root.
+                proc = LogitsProcessor(msgspec.structs.replace(step.sampling, penalty=1.0), vocab)
+                draws[b, :1] = proc.sample(root_sglang[b : b + 1], None, step.state.generator)
+                continue
+            tree = draft.tree
+            rows = logits[b, : tree.num_walkable]  # leaves (e.g. [SPEC]) are never drawn from
+            if info.logit_bias is not None:
+                rows = rows + info.logit_bias[b, :vocab]
+            draws[b, : tree.num_walkable] = draw_tree(rows, tree, LogitsProcessor(step.sampling, vocab), step.history,
+                                                      step.state.generator)
+        return draws
+
+    def walk_and_commit(self, batch, seq_lens: torch.Tensor, draws: torch.Tensor, inputs: VerifyBuffers) -> TreeWalks:
+        """The device walk of every trie, and each walked path's KV put at the front of its window.
+
+        On a GPU one fused kernel does both (:mod:`sgl_longgen.kernels.tree_accept`): the ~20
+        small torch ops would each leave the device idle for a launch between the two forwards.
+        """
+        table = batch.req_to_token_pool.req_to_token
+        if self._fused is not None:
+            count, last, order = self._fused(draws, inputs.parents, inputs.walk_tokens, inputs.tree_mask,
+                                             table, batch.req_pool_indices, seq_lens)
+            return TreeWalks(count, last, order)
+        walks = walk_trees(draws, inputs.parents, inputs.walk_tokens, inputs.tree_mask)
+        # Permuting the window's entries commits the path without touching the KV: SGLang frees
+        # and reuses over-allocated slots through the row, and the root stays in place.
+        rows = batch.req_pool_indices[:, None]
+        cols = seq_lens[:, None] + self._columns
+        table[rows, cols] = table[rows, cols].gather(1, walks.order)
+        return walks
+
+    def read_back(self, draws: torch.Tensor, counts: torch.Tensor) -> Callable[[], tuple[np.ndarray, list[int]]]:
+        """Queue the draws and the device walk's counts to the host; returns the wait for them.
+
+        One page-locked copy and an event: the host then waits for the verify forward and the
+        draws only, not for anything queued after them (a chained draft).
+        """
+        bs, n = draws.shape
+        host = self.staging("readback", bs * n + bs, torch.int64)
+        host[: bs * n].view(bs, n).copy_(draws, non_blocking=True)
+        host[bs * n :].copy_(counts, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+
+        def wait() -> tuple[np.ndarray, list[int]]:
+            if event is not None:
+                event.synchronize()
+            values = host.numpy()
+            return values[: bs * n].reshape(bs, n), values[bs * n :].tolist()
+
+        return wait
+
+    @staticmethod
+    def host_walks(drafts: list[Draft], drawn: np.ndarray, counts: list[int]) -> list[Verdict]:
+        """The walk repeated on the host draws; a disagreement with the device walk is an error."""
+        verdicts = []
+        for b, (draft, count) in enumerate(zip(drafts, counts)):
+            verdict = walk_tree(draft.tree, drawn[b].__getitem__)
+            if len(verdict.nodes) != count:
+                raise RuntimeError(f"device walk committed {count} tokens, host walk {len(verdict.nodes)}")
+            verdicts.append(verdict)
+        return verdicts
+
+    def logprobs(self, batch, logits_output, drafts: list[Draft], drawn: np.ndarray, verdicts: list[Verdict]) -> None:
+        from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
+
+        n = self.num_nodes
+        predict = torch.zeros(len(drafts) * n, dtype=torch.int64)
+        accept_index = torch.full((len(drafts), n), -1, dtype=torch.int64)
+        for b, (draft, verdict) in enumerate(zip(drafts, verdicts)):
+            k = draft.tree.num_walkable  # the nodes drawn at
+            predict[b * n : b * n + k] = torch.from_numpy(drawn[b, :k].copy())
+            accept_index[b, : len(verdict.nodes)] = torch.tensor(verdict.nodes) + b * n
+        compute_spec_v2_logprobs(batch, logits_output, predict.to(self.device), accept_index.to(self.device), n - 1)

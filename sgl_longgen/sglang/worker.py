@@ -1,0 +1,268 @@
+"""The SGLang V2 speculative worker of every sgl-longgen algorithm.
+
+A prefill is SGLang's own target step. A decode step is, in order (:meth:`SpecWorker.decode`):
+
+1. **draft**: the algorithm's drafter (:mod:`.tokenswift`, :mod:`.owl`) proposes one trie per
+   request from its method's state;
+2. **verify**: the padded tries go through one TARGET_VERIFY forward of the target (:mod:`.verify`);
+3. **draw and walk**: queued on the device behind it, one draw per node, the walk and the commit
+   of each walked path's KV; the host reads the draws back, repeats the walk and checks it;
+4. **observe**: the method learns what was committed; the results go to SGLang's scheduler
+   (``accept_lens`` counts the bonus token).
+
+Requests whose sampling settings cannot be carried along a draft path (SGLang's count-based
+penalties, grammars, foreign logit processors, logprobs) get a root-only trie: one exact token
+per step from SGLang's own processing of the root. So does a request whose drafting raised: the
+exception is logged once for it, it decodes plain from then on, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+
+from .. import env
+from ..methods import Draft
+from . import compat
+from .buffers import Staging
+from .drafter import Drafter
+from .host_profile import HostProfile
+from .inputs import relay_input
+from .penalty import ContextualPenaltyProcessor
+from .requests import RequestTable, StepRequest, activate_penalty_defaults
+from .timing import StepClock
+from .verify import Launched, Verifier
+
+logger = logging.getLogger(__name__)
+
+# Fault injection for tests of the fault isolation: drafting raises on the N-th decode step.
+FAULT_ENV = env.name("INJECT_DRAFT_FAULT")
+DRAFTING_FAILED = "drafting failed"
+
+
+@dataclass
+class WorkerEnv:
+    """What a drafter may use of its worker."""
+
+    server_args: object
+    runner: object  # SGLang's ModelRunner of the target
+    device: torch.device
+    num_nodes: int  # speculative_num_draft_tokens: the verify width per request
+    vocab_size: int
+    staging: Staging
+    clock: StepClock
+
+
+def drafter_for(algorithm: str, env: WorkerEnv) -> Drafter:
+    if algorithm == "TOKENSWIFT":
+        from .tokenswift import TokenSwiftDrafter
+
+        return TokenSwiftDrafter(env)
+    if algorithm in ("OWL", "HOWL"):
+        from .owl import HowlDrafter, OwlDrafter
+
+        return (OwlDrafter if algorithm == "OWL" else HowlDrafter)(env)
+    raise ValueError(f"no drafter for speculative algorithm {algorithm!r}")
+
+
+class SpecWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **kwargs):
+        super().__init__()
+        compat.require_fields("target_worker", target_worker)
+        runner = target_worker.model_runner
+        compat.require_fields("model_runner", runner)
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self.device = torch.device(runner.device)
+        self.num_nodes = int(server_args.speculative_num_draft_tokens)
+        self.clock = StepClock(self.device)
+        staging = Staging(self.device)
+        self.env = WorkerEnv(server_args, runner, self.device, self.num_nodes, int(runner.model_config.vocab_size),
+                             staging, self.clock)
+        self.drafter = drafter_for(server_args.speculative_algorithm.upper(), self.env)
+        activate_penalty_defaults(self.drafter.penalty)
+        self.requests = RequestTable(self.device, int(server_args.random_seed or 0))
+        self.verifier = Verifier(target_worker, self.num_nodes, self.env.vocab_size, self.device, staging,
+                                 self.drafter.verify_capture)
+        self.host_profile = HostProfile.from_env()
+        self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
+
+    # -- SGLang's worker contract -----------------------------------------------------------------
+
+    @property
+    def draft_worker(self):
+        return None
+
+    def alloc_memory_pool(self, **kwargs):
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    def init_attention_backends(self):
+        # SGLang has built the target's pools and attention backend by now.
+        compat.require_fields("model_runner_ready", self.env.runner)
+
+    def clear_cache_pool(self):
+        self.drafter.reset()
+        self.requests.clear()
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.requests.pop(rid)
+        self.clock.forget(rid)
+        self.drafter.finish(rid)
+
+    def forward_batch_generation(self, batch, on_publish=None, **kwargs) -> GenerationBatchResult:
+        self.drafter.before_forward()
+        profile = self.host_profile
+        if batch.forward_mode.is_decode():
+            if profile is not None and profile.wants(batch.reqs):
+                return profile.run(self.decode, batch, on_publish)
+            if profile is not None:
+                profile.stop()
+            return self.decode(batch, on_publish)
+        if profile is not None:
+            profile.stop()
+        return self.extend(batch, on_publish)
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def extend(self, batch, on_publish) -> GenerationBatchResult:
+        """Prefill (or any non-decode batch): a plain target step, exactly SGLang's sampling."""
+        for req in batch.reqs:
+            self.requests.pop(req.rid)  # a (re-)prefilled request starts its speculation afresh
+        res = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=self.drafter.prefill_capture)
+        self.drafter.after_extend(batch, res)
+        bs, n = len(batch.reqs), self.num_nodes
+        new_seq_lens = batch.seq_lens.clone()
+        accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
+        if bs:
+            accept_tokens[:, 0] = res.next_token_ids
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        res.accept_lens = accept_lens
+        res.new_seq_lens = new_seq_lens
+        res.next_draft_input = relay_input(n, new_seq_lens, accept_tokens.flatten(), accept_lens)
+        res.speculative_num_draft_tokens = n
+        return res
+
+    # -- a speculative step --------------------------------------------------------------------------
+
+    def decode(self, batch, on_publish) -> GenerationBatchResult:
+        clock = self.clock
+        clock.start(batch.reqs)
+        steps = self._begin(batch)
+        clock.section("setup")
+
+        drafts = self._draft(batch, steps)
+        clock.phase("draft")
+
+        seq_lens = batch.seq_lens  # the verify windows start here (the forward may rebind it)
+        clock.gpu_mark("verify_gpu")
+        launched = self.verifier.launch(
+            batch, steps, drafts, lambda b: self._guarded("before_verify", steps, self.drafter.before_verify, b, steps, drafts))
+        clock.gpu_mark("verify_gpu")
+        logits_output = launched.result.logits_output
+        self._guarded("after_verify", steps, self.drafter.after_verify, steps, drafts, logits_output)
+        clock.section("verify_launch")
+
+        # Queued behind the verify forward: draws, walk, commit, their read-back, maybe the next draft.
+        draws = self.verifier.draw(batch, steps, drafts, logits_output.next_token_logits)
+        walks = self.verifier.walk_and_commit(batch, seq_lens, draws, launched.inputs)
+        read_back = self.verifier.read_back(draws, walks.count)
+        self._guarded("after_walk", steps, self.drafter.after_walk, batch, steps, drafts, walks)
+        clock.section("accept_queue")
+        drawn, counts = read_back()
+        clock.phase("verify")  # ends when the verify forward's draws are on the host
+
+        verdicts = self.verifier.host_walks(drafts, drawn, counts)
+        for step, verdict in zip(steps, verdicts):
+            step.history = step.history.extended(verdict.tokens)
+        clock.section("walk")
+        self._guarded("observe", steps, self.drafter.observe, steps, drafts, verdicts)
+        self._guarded("after_commit", steps, self.drafter.after_commit, batch, steps, verdicts)
+        clock.section("observe")
+
+        result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)
+        clock.phase("overhead")
+        clock.finish({s.rid: len(v.tokens) for s, v in zip(steps, verdicts)})
+        return result
+
+    def _begin(self, batch) -> list[StepRequest]:
+        steps = self.requests.begin(batch, self.drafter.penalty, ContextualPenaltyProcessor)
+        for step in steps:
+            state = step.state
+            if state.failed:
+                step.blocker = DRAFTING_FAILED
+            if state.method is None:
+                state.method = self._guarded("start", [step], self.drafter.start, step)
+        return steps
+
+    def _draft(self, batch, steps: list[StepRequest]) -> list[Draft]:
+        if self._fault_at and self.requests.step_count == self._fault_at:
+            self._failed("draft", steps, RuntimeError(f"injected by {FAULT_ENV}={self._fault_at}"))
+        else:
+            drafts = self._guarded("draft", steps, self.drafter.draft, batch, steps,
+                                   lambda: self.verifier.prepare(batch, steps))
+            if drafts is not None:
+                for step, draft in zip(steps, drafts):
+                    if step.blocker is not None and len(draft.tree) > 1:
+                        raise RuntimeError("a drafter must return a root-only tree for a blocked request")
+                return drafts
+        return [Draft.root_only(step.root) for step in steps]
+
+    def _guarded(self, hook: str, steps: list[StepRequest], fn, *args):
+        """Run a drafter hook; if it raises, its requests decode plain from now on (never the server)."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - drafting must not take the server down
+            self._failed(hook, steps, exc)
+            return None
+
+    def _failed(self, hook: str, steps: list[StepRequest], exc: BaseException) -> None:
+        self.drafter.reset()
+        for step in steps:
+            state = step.state
+            if not state.failed:
+                logger.error("request %s: the %s drafter's %s raised %s: %s; it decodes without speculation "
+                             "from here on (output unchanged)", step.rid, self.server_args.speculative_algorithm,
+                             hook, type(exc).__name__, exc, exc_info=exc)
+            state.failed = True
+            step.blocker = DRAFTING_FAILED
+            try:  # a fresh method state: the drafter still sees the request, as a blocked one
+                state.method = self.drafter.start(step)
+            except Exception:  # noqa: BLE001
+                state.method = None
+
+    def _publish(self, batch, seq_lens, steps, drafts, verdicts, drawn, launched: Launched,
+                 on_publish) -> GenerationBatchResult:
+        """The committed tokens and their counts to the device in one copy; SGLang's result."""
+        bs, n = len(steps), self.num_nodes
+        host = self.env.staging("result", bs * n + bs, torch.int32)
+        packed = host.numpy()
+        packed[: bs * n] = 0
+        for b, verdict in enumerate(verdicts):
+            packed[b * n : b * n + len(verdict.tokens)] = verdict.tokens
+            packed[bs * n + b] = len(verdict.tokens)
+        on_device = host.to(self.device, non_blocking=True, copy=True)
+        next_token_ids, accept_lens = on_device[: bs * n], on_device[bs * n :]
+        new_seq_lens = seq_lens + accept_lens
+        logits_output = launched.result.logits_output
+        if batch.return_logprob:
+            self.verifier.logprobs(batch, logits_output, drafts, drawn, verdicts)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=next_token_ids,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=relay_input(n, new_seq_lens, next_token_ids, accept_lens),
+            speculative_num_draft_tokens=n,
+            can_run_cuda_graph=launched.result.can_run_cuda_graph,
+        )
+
