@@ -15,7 +15,6 @@ job file, so a job file and its prompts can move together.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ..config import GenerateConfig, RuntimeConfig, SamplingConfig, Strict, TokenSwiftConfig, merge
+from ..config import RuntimeConfig, SamplingConfig, Strict, TokenSwiftConfig, merge
 from ..errors import LonggenError
 
 PosInt = Annotated[int, Meta(ge=1)]
@@ -162,14 +161,6 @@ class Job:
     def heads(self) -> str | None:
         return str(self.path(self.spec.heads)) if self.spec.heads else None
 
-    def generate_config(self, heads_defaults: dict[str, Any] | None = None) -> GenerateConfig:
-        """The effective GenerateConfig: built-in defaults < the heads' longgen.toml < the job."""
-        data = merge(heads_defaults or {}, self.generation)
-        try:
-            return msgspec.convert(data, GenerateConfig)
-        except msgspec.ValidationError as exc:
-            raise LonggenError(f"invalid generation settings for job {self.name}: {exc}") from None
-
     def settings(self) -> dict[str, Any]:
         """Everything that decides the tokens of a record; a resumed job must not change it."""
         return {
@@ -179,10 +170,6 @@ class Job:
             "generation": self.generation,
             "sglang": self.spec.sglang.engine_kwargs if self.spec.runtime == "sglang" else {},
         }
-
-    def fingerprint(self) -> str:
-        blob = json.dumps(self.settings(), sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -84,17 +84,6 @@ def fold_queries(q: torch.Tensor, batch_size: int, tree_size: int, num_kv_heads:
     )
 
 
-def unfold_output(o: torch.Tensor, tree_size: int, num_kv_heads: int) -> torch.Tensor:
-    """Inverse of ``fold_queries`` for outputs ``[bs, Hkv*T*G, D]`` (a copy; tests and tools)."""
-    batch_size, folded, head_dim = o.shape
-    group = folded // (num_kv_heads * tree_size)
-    return (
-        o.reshape(batch_size, num_kv_heads, tree_size, group, head_dim)
-        .permute(0, 2, 1, 3, 4)
-        .reshape(batch_size * tree_size, num_kv_heads * group, head_dim)
-    )
-
-
 class FoldedPrefixDecode:
     """Plan/run wrapper of FlashInfer's tensor-core decode over the prefix with T folded into GQA.
 

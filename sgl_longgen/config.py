@@ -76,9 +76,10 @@ class PartialKVConfig(Strict):
 
     budget: PosInt = 4096
     sinks: NonNegInt = 16
-    # "head": one index set per (layer, KV head), as in the paper. "shared": one set for every
-    # layer and head (scores summed), which an engine with one KV index list per request can use.
-    granularity: Literal["head", "shared"] = "head"
+    # "shared": one set of positions for every layer and KV head (softmax scores summed), what an
+    # engine with one KV index list per request (SGLang's) can pass to its attention. "head": one
+    # set per (layer, KV head), as in the paper; the reference runtime only.
+    granularity: Literal["head", "shared"] = "shared"
 
     def __post_init__(self) -> None:
         if self.sinks >= self.budget:

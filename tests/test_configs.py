@@ -7,6 +7,7 @@ import pytest
 
 from sgl_longgen.cluster.prompts import read_prompts
 from sgl_longgen.cluster.spec import Job, load_job
+from sgl_longgen.cluster.engine_common import effective_config
 from sgl_longgen.config import GenerateConfig, load_generate_config
 
 ALL = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
@@ -29,7 +30,7 @@ def test_job_loads(path):
     assert isinstance(job, Job)
     prompts, bad = read_prompts(job.input_path)
     assert prompts and not bad
-    assert isinstance(job.generate_config(), GenerateConfig)
+    assert isinstance(effective_config(job.generation, None), GenerateConfig)
 
 
 def test_every_settings_struct_refuses_unknown_keys():

@@ -11,7 +11,6 @@ whose requests take different branches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import HowlConfig
@@ -34,7 +33,7 @@ class HowlState:
 
 
 class HowlPolicy:
-    """``route(score, state)`` for one request, ``route_batch`` for many; ``update`` after verifying.
+    """``route(score, state)`` for one request; ``update`` after verifying.
 
     ``spec``: whether [SPEC] is in use at all (a drafter trained without it, or ``owl.spec =
     false``, runs every tree round without [SPEC] leaves and on the null state).
@@ -48,9 +47,6 @@ class HowlPolicy:
         if score > self.threshold:
             return Route(linear=True, use_spec=False, attach_spec=False)
         return Route(linear=False, use_spec=self.spec and state.has_spec, attach_spec=self.spec)
-
-    def route_batch(self, scores: Sequence[float], states: Sequence[HowlState]) -> list[Route]:
-        return [self.route(s, st) for s, st in zip(scores, states, strict=True)]
 
     @staticmethod
     def update(state: HowlState, route: Route) -> None:

@@ -157,24 +157,11 @@ class DraftTree:
         """The child of ``node`` holding ``token`` (never a leaf), if any."""
         return self._child.get((node, int(token)))
 
-    def children_of(self, node: int) -> dict[int, int]:
-        """``{token: child}`` of ``node``'s walkable children."""
-        return {tok: c for (p, tok), c in self._child.items() if p == node}
-
     def path_tokens(self, node: int) -> list[int]:
         """Tokens from the root's first child down to ``node`` (the root itself excluded)."""
         out = []
         while node > 0:
             out.append(self.tokens[node])
-            node = self.parents[node]
-        out.reverse()
-        return out
-
-    def path_nodes(self, node: int) -> list[int]:
-        """Node ids from the root (included) down to ``node``."""
-        out = []
-        while node >= 0:
-            out.append(node)
             node = self.parents[node]
         out.reverse()
         return out

@@ -1,24 +1,20 @@
 """Lossless verification of drafts.
 
-Two rules, both exact samplers of the target distribution:
-
-* :func:`walk_tree` for deterministic drafts (top-k heads, n-grams, suffix matches, OWL's beam):
-  starting at the root, draw *one* token from the current node's processed target distribution;
-  if a child holds that token move there, otherwise emit it as the bonus and stop. Every emitted
-  token is an honest draw from the target conditional on what was emitted before, whatever the
-  tree held. (Drawing once per *path* and keeping the longest match, as upstream TokenSwift does,
-  gives the draft many chances per node and is biased toward it.) Engines draw at every node at
-  once (:func:`draw_tree`) and then walk: the draws are independent, and the walk reads only
-  those on its path, each drawn from its node's distribution, so the result is the same.
-* :func:`verify_chain` for a chain drafted by *sampling* from a draft distribution q: the
-  standard rejection rule (accept x with probability min(1, p(x)/q(x)), else draw from the
-  normalised residual max(p - q, 0)).
+Every method's drafts (top-k heads, n-grams, suffix matches, OWL's beam) are deterministic given
+the step, and :func:`walk_tree` verifies them exactly: starting at the root, draw *one* token
+from the current node's processed target distribution; if a child holds that token move there,
+otherwise emit it as the bonus and stop. Every emitted token is an honest draw from the target
+conditional on what was emitted before, whatever the tree held. (Drawing once per *path* and
+keeping the longest match, as upstream TokenSwift does, gives the draft many chances per node and
+is biased toward it.) Both runtimes draw at every node at once (:func:`draw_tree`) and then
+walk: the draws are independent, and the walk reads only those on its path, each drawn from its
+node's distribution, so the result is the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +29,6 @@ class Verdict:
 
     tokens: list[int]  # accepted draft tokens, then the bonus token
     nodes: list[int]  # the root and the accepted draft nodes: their KV is kept
-    drawn: dict[int, int] = field(default_factory=dict)  # node -> token drawn there
 
     @property
     def accepted(self) -> int:
@@ -47,14 +42,13 @@ def walk_tree(tree: DraftTree, draw: Callable[[int], int]) -> Verdict:
     ``draw`` is called at most once per node and only on the walked path (a lookup into
     :func:`draw_tree`'s draws, or a lazy draw).
     """
-    node, nodes, tokens, drawn = 0, [0], [], {}
+    node, nodes, tokens = 0, [0], []
     while True:
         tok = int(draw(node))
-        drawn[node] = tok
         tokens.append(tok)
         nxt = tree.child(node, tok)
         if nxt is None:
-            return Verdict(tokens, nodes, drawn)
+            return Verdict(tokens, nodes)
         nodes.append(nxt)
         node = nxt
 
@@ -124,43 +118,3 @@ def verify_tree(
     """Draw at every node of ``tree`` (``logits``: ``[len(tree), V]``, row i = after node i) and walk."""
     draws = draw_tree(logits[: tree.num_walkable], tree, processor, history, generator).tolist()
     return walk_tree(tree, draws.__getitem__)
-
-
-def verify_chain(
-    draft: Sequence[int],
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> Verdict:
-    """Rejection sampling of a sampled chain.
-
-    ``draft_probs[i]`` is the distribution ``draft[i]`` was drawn from (``None``: the draft is
-    deterministic, i.e. q is a point mass and the rule reduces to exact matching);
-    ``target_probs[i]`` is the processed target distribution after the root and ``draft[:i]``
-    (``len(draft) + 1`` rows, the last one for the bonus).
-    """
-    k = len(draft)
-    if target_probs.shape[0] != k + 1:
-        raise ValueError(f"target_probs needs {k + 1} rows, got {target_probs.shape[0]}")
-    tokens: list[int] = []
-    for i, x in enumerate(draft):
-        x = int(x)
-        p = target_probs[i].double()
-        if draft_probs is None:
-            q = torch.zeros_like(p)
-            q[x] = 1.0
-        else:
-            q = draft_probs[i].double()
-        ratio = p[x] / q[x] if q[x] > 0 else torch.tensor(0.0, dtype=p.dtype)
-        u = torch.rand((), dtype=torch.float64, generator=generator)
-        if u < torch.clamp(ratio, max=1.0):
-            tokens.append(x)
-            continue
-        residual = (p - q).clamp_min(0.0)
-        total = residual.sum()
-        dist = residual / total if total > 0 else p
-        tokens.append(int(torch.multinomial(dist, 1, generator=generator)))
-        return Verdict(tokens, list(range(i + 1)))
-    bonus = int(torch.multinomial(target_probs[k].double(), 1, generator=generator))
-    tokens.append(bonus)
-    return Verdict(tokens, list(range(k + 1)))

@@ -56,6 +56,10 @@ def inspect_heads_draft_dir(path: str | Path | None, model_path: str | Path) -> 
     path = _require(path, "TOKENSWIFT", "heads.json and heads.safetensors")
     defaults = read_defaults(path) if path.is_dir() else GenerateConfig()
     cfg = check_heads(path, target_config(model_path).get("hidden_size"), defaults.tokenswift.num_heads)
+    if defaults.tokenswift.partial_kv.granularity != "shared":
+        raise LonggenError(f"{path / DEFAULTS_FILE}: [tokenswift.partial_kv] granularity = "
+                           f"{defaults.tokenswift.partial_kv.granularity!r} is a reference-runtime option; SGLang's "
+                           "draft forward passes one KV index list per request, so it needs \"shared\"")
     return DraftDir(path, cfg, defaults)
 
 

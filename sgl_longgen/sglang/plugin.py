@@ -127,7 +127,7 @@ def _spec_class(algo: Algorithm):
 # -- hooks ----------------------------------------------------------------------------------------
 
 
-def prepare_server_args(server_args, *args, **kwargs) -> None:
+def prepare_server_args(server_args) -> None:
     """Before SGLang resolves the server arguments: check our draft directory and backend, set defaults."""
     name = (server_args.speculative_algorithm or "").upper()
     algo = ALGORITHMS.get(name)
@@ -168,6 +168,10 @@ def prepare_server_args(server_args, *args, **kwargs) -> None:
         logger.info("%s runs on the synchronous scheduler: disabling overlap scheduling", name)
         server_args.disable_overlap_schedule = True
     return None
+
+
+def _prepare_hook(server_args, *args, **kwargs) -> None:
+    prepare_server_args(server_args)
 
 
 def skip_draft_config(speculative_algorithm, speculative_draft_model_path, *args, **kwargs):
@@ -233,10 +237,14 @@ def install() -> None:
     if found:
         _PROBLEMS[:] = found
         logger.error("%s", compat.describe(found))
+        try:  # only to refuse our algorithms with this list, before SGLang reads their draft paths
+            compat.apply_hooks({"prepare_server_args": _prepare_hook}, compat.HOOKS)
+        except Exception:  # noqa: BLE001 - then validate_server_args refuses them, later
+            pass
         return
     names = backends.register()
     failed = compat.apply_hooks({
-        "prepare_server_args": lambda self, *a, **k: prepare_server_args(self),
+        "prepare_server_args": _prepare_hook,
         "skip_draft_config": skip_draft_config,
         "default_backend": prefer_longgen_backend,
         "penalty": penalty_into_sampling_info,

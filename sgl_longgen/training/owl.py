@@ -307,31 +307,6 @@ def owl_loss(model: Transformer, drafter: OwlDrafter, ids: torch.Tensor, spec_dr
     return loss, {"loss": loss.detach(), **metrics}
 
 
-def fit_drafter(model: Transformer, sequences: torch.Tensor, steps: int, *, width: int | None = None,
-                n_steps: int = 8, spec: bool = True, lr: float = 1e-2, spec_dropout: float = 0.3,
-                seed: int = 0, draft_vocab: int = 0) -> OwlDrafter:
-    """A drafter fitted to given token sequences of the (frozen) target in a few full-batch steps.
-
-    The cheap calibration behind demos and tests that need a drafter whose drafts are accepted:
-    the same loss as ``train owl``, on sequences the caller already has (e.g. the target's own
-    greedy continuations), without the data pipeline. ``draft_vocab`` as in ``train owl``.
-    """
-    cfg = model.config
-    gen = torch.Generator().manual_seed(seed)
-    drafter = new_drafter(cfg.hidden_size, cfg.vocab_size, width or cfg.hidden_size, n_steps, spec, draft_vocab,
-                          sequences)
-    drafter.reset_parameters(gen, model.model.embed_tokens.weight)
-    drafter = drafter.to(dtype=model.dtype, device=sequences.device).train()
-    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
-    for _ in range(steps):
-        loss, _ = owl_loss(model, drafter, sequences, spec_dropout=spec_dropout, spec_weight=1.0,
-                           spec_target="next", generator=gen)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return drafter.eval().requires_grad_(False)
-
-
 def check_draft_vocab(draft_vocab: int, vocab_size: int) -> None:
     if draft_vocab > vocab_size:
         raise LonggenError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({vocab_size})")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from sgl_longgen.cluster.engine_common import effective_config
+
 from sgl_longgen.cluster.spec import load_job
 from sgl_longgen.errors import LonggenError
 
@@ -32,7 +34,7 @@ def test_the_example_job_loads():
     assert job.name == "tiny-batch"
     assert job.spec.runtime == "reference" and job.spec.engines.count == 2
     assert job.input_path == EXAMPLE.parent / "tiny_prompts.jsonl"
-    assert job.generate_config().sampling.temperature == 0.0
+    assert effective_config(job.generation, None).sampling.temperature == 0.0
 
 
 def test_json_and_toml_give_the_same_job(tmp_path):
@@ -40,7 +42,7 @@ def test_json_and_toml_give_the_same_job(tmp_path):
     data = {"model": "tiny", "input": "p.jsonl", "output_dir": "out", "max_new_tokens": 64, "engines": {"count": 3}}
     js = load_job(write(tmp_path, json.dumps(data), "job.json"))
     assert toml.spec == js.spec
-    assert toml.fingerprint() == js.fingerprint()
+    assert toml.settings() == js.settings()
 
 
 def test_relative_paths_resolve_against_the_job_file(tmp_path):
@@ -94,16 +96,19 @@ def test_sglang_gpu_accounting(tmp_path):
     assert engine_bundle(job.spec) == {"CPU": 1.0, "GPU": 2.0}
 
 
-def test_fingerprint_follows_generation_settings_only(tmp_path):
+def test_settings_follow_generation_settings_only(tmp_path):
     a = load_job(write(tmp_path, MINIMAL + "max_new_tokens = 64\n"))
     b = load_job(write(tmp_path, MINIMAL + "max_new_tokens = 64\ncheckpoint_every = 8\n[engines]\ncount = 5\n"))
     c = load_job(write(tmp_path, MINIMAL + "max_new_tokens = 65\n"))
-    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    assert a.settings() == b.settings() != c.settings()
 
 
 def test_generation_settings_layer_over_the_heads_defaults(tmp_path):
     job = load_job(write(tmp_path, MINIMAL + "[tokenswift.partial_kv]\nsinks = 8\n"))
-    cfg = job.generate_config({"tokenswift": {"partial_kv": {"budget": 256, "sinks": 16}}})
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "longgen.toml").write_text("[tokenswift.partial_kv]\nbudget = 256\nsinks = 16\n")
+    cfg = effective_config(job.generation, heads)
     assert (cfg.tokenswift.partial_kv.budget, cfg.tokenswift.partial_kv.sinks) == (256, 8)
 
 

@@ -21,6 +21,7 @@ from sgl_longgen.core.owl import (
 from sgl_longgen.runtime import resolve_model
 from sgl_longgen.core.tree import Source
 from sgl_longgen.errors import LonggenError
+from helpers import children, path_nodes
 
 torch.set_num_threads(1)
 
@@ -340,9 +341,9 @@ def test_spec_leaves_follow_every_node_and_are_never_children():
     positions = tree.positions(100).tolist()
     for node, leaf in enumerate(leaves):
         assert tree.parents[leaf] == node and tree.sources[leaf] == Source.SPEC
-        assert leaf not in tree.children_of(node).values()
+        assert leaf not in children(tree, node).values()
         assert positions[leaf] == positions[node] + 1
-        assert mask[leaf].nonzero().flatten().tolist() == sorted(tree.path_nodes(node) + [leaf])
+        assert mask[leaf].nonzero().flatten().tolist() == sorted(path_nodes(tree, node) + [leaf])
         assert mask[:, leaf].nonzero().flatten().tolist() == [leaf]  # nothing else attends to a leaf
     assert tree.child(0, spec_token) == 1  # the walk still finds the real node with that token
     with pytest.raises(ValueError):

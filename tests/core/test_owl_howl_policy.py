@@ -28,6 +28,6 @@ def test_without_spec_tree_rounds_never_use_or_attach_it():
     state = HowlState(has_spec=False)
     routes = [policy.route(s, state) for s in (1.0, 5.0)]
     assert [(r.linear, r.use_spec, r.attach_spec) for r in routes] == [(False, False, False), (True, False, False)]
-    states = [HowlState(True), HowlState(False), HowlState(True)]
-    batch = HowlPolicy(HowlConfig()).route_batch([10.0, 1.0, 1.0], states)
-    assert [(r.linear, r.use_spec) for r in batch] == [(True, False), (False, False), (False, True)]
+    policy = HowlPolicy(HowlConfig())
+    routes = [policy.route(score, state) for score, state in zip([10.0, 1.0, 1.0], [HowlState(True), HowlState(False), HowlState(True)])]
+    assert [(r.linear, r.use_spec) for r in routes] == [(True, False), (False, False), (False, True)]

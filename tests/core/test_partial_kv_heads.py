@@ -24,7 +24,7 @@ def scores_for(policy: PartialKVPolicy, layers: int, heads: int, gen) -> torch.T
 
 
 def test_first_selection_keeps_sinks_and_the_top_scored_positions():
-    policy = PartialKVPolicy(PartialKVConfig(budget=8, sinks=2), num_layers=1, num_kv_heads=2)
+    policy = PartialKVPolicy(PartialKVConfig(budget=8, granularity="head", sinks=2), num_layers=1, num_kv_heads=2)
     policy.reset(20)
     assert policy.score_range() == (2, 20)
     scores = torch.zeros(1, 2, 18)
@@ -38,7 +38,7 @@ def test_first_selection_keeps_sinks_and_the_top_scored_positions():
 
 
 def test_new_tokens_displace_the_least_important_then_trigger_reselection():
-    policy = PartialKVPolicy(PartialKVConfig(budget=8, sinks=2), num_layers=1, num_kv_heads=1)
+    policy = PartialKVPolicy(PartialKVConfig(budget=8, granularity="head", sinks=2), num_layers=1, num_kv_heads=1)
     policy.reset(20)
     scores = torch.arange(18, dtype=torch.float64)[None, None]  # later = more important
     policy.select(scores)
@@ -56,7 +56,7 @@ def test_new_tokens_displace_the_least_important_then_trigger_reselection():
 
 
 def test_everything_is_visible_while_the_context_fits_the_budget():
-    policy = PartialKVPolicy(PartialKVConfig(budget=64, sinks=4), num_layers=2, num_kv_heads=2)
+    policy = PartialKVPolicy(PartialKVConfig(budget=64, granularity="head", sinks=4), num_layers=2, num_kv_heads=2)
     policy.reset(10)
     policy.select(torch.randn(2, 2, 6))
     for length in (10, 30, 64):
@@ -74,7 +74,7 @@ def test_shared_granularity_uses_one_set_for_all_layers_and_heads():
 
 def test_visible_never_exceeds_the_budget_over_a_long_run():
     gen = torch.Generator().manual_seed(0)
-    policy = PartialKVPolicy(PartialKVConfig(budget=16, sinks=3), num_layers=2, num_kv_heads=1)
+    policy = PartialKVPolicy(PartialKVConfig(budget=16, granularity="head", sinks=3), num_layers=2, num_kv_heads=1)
     policy.reset(30)
     policy.select(scores_for(policy, 2, 1, gen))
     length = 30

@@ -5,6 +5,7 @@ import torch
 
 from sgl_longgen.core.ngram import NgramPool
 from sgl_longgen.core.tree import DraftTree, Source, bits_to_rows, cartesian_rows
+from helpers import path_nodes
 
 
 def test_paths_merge_into_one_node_per_distinct_prefix():
@@ -18,7 +19,7 @@ def test_paths_merge_into_one_node_per_distinct_prefix():
     assert tree.sources[a[2]] == Source.HEADS and tree.sources[c[0]] == Source.NGRAM
     assert tree.depths == [0, 1, 2, 3, 3, 1]
     assert tree.path_tokens(b[2]) == [1, 2, 4]
-    assert tree.path_nodes(b[2]) == [0, *b]
+    assert path_nodes(tree, b[2]) == [0, *b]
 
 
 def test_parents_precede_children_and_positions_follow_depth():
@@ -37,7 +38,7 @@ def test_ancestor_mask_is_ancestor_or_self():
     m = tree.ancestor_mask()
     expect = torch.zeros(len(tree), len(tree), dtype=torch.bool)
     for i in range(len(tree)):
-        for j in tree.path_nodes(i):
+        for j in path_nodes(tree, i):
             expect[i, j] = True
     assert torch.equal(m, expect)
     assert torch.equal(m, m.tril())
@@ -88,7 +89,7 @@ def test_ancestor_rows_match_the_parent_walk_on_random_tries():
             tree.add_path([rng.randrange(4) for _ in range(rng.randrange(1, 6))], max_nodes=size - 3)
         expect = np.zeros((size, size), dtype=np.bool_)
         for i in range(len(tree)):
-            expect[i, tree.path_nodes(i)] = True
+            expect[i, path_nodes(tree, i)] = True
         assert np.array_equal(tree.ancestor_array(size), expect)
         out = np.ones((size, size), dtype=np.bool_)
         bits_to_rows(tree.ancestor_bits(), size, out)

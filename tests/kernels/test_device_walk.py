@@ -14,6 +14,7 @@ from sgl_longgen.core.verify import walk_tree, walk_trees
 from sgl_longgen.kernels.tree_accept import steady_draft_inputs, walk_and_commit
 
 from kernel_cases import DEVICE
+from helpers import children
 
 
 def random_trie(rng: random.Random, n: int, vocab: int) -> DraftTree:
@@ -48,8 +49,8 @@ def random_batch(seed: int, n: int = 24, bs: int = 6):
     draws = torch.randint(0, vocab, (bs, n), generator=torch.Generator().manual_seed(seed))
     for b, tree in enumerate(trees):  # steer some draws down a path so walks go deep
         node = 0
-        while tree.children_of(node) and rng.random() < 0.8:
-            token, child = rng.choice(sorted(tree.children_of(node).items()))
+        while children(tree, node) and rng.random() < 0.8:
+            token, child = rng.choice(sorted(children(tree, node).items()))
             draws[b, node] = token
             node = child
     return trees, draws

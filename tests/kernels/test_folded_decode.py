@@ -11,11 +11,21 @@ from sgl_longgen.kernels.folded_decode import (
     flashinfer_available,
     fold_queries,
     fold_supported,
-    unfold_output,
     workspace_bytes,
 )
 from sgl_longgen.kernels.merge import lse_to_natural
 from sgl_longgen.kernels.reference import masked_attention_reference
+
+
+def unfold_output(o: torch.Tensor, tree_size: int, num_kv_heads: int) -> torch.Tensor:
+    """Inverse of ``fold_queries`` for outputs ``[bs, Hkv*T*G, D]`` (a copy)."""
+    batch_size, folded, head_dim = o.shape
+    group = folded // (num_kv_heads * tree_size)
+    return (
+        o.reshape(batch_size, num_kv_heads, tree_size, group, head_dim)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(batch_size * tree_size, num_kv_heads * group, head_dim)
+    )
 
 
 def test_fold_layout():

@@ -34,7 +34,7 @@ CASES = [
     ("tiny-random", 1.0, 1024, {}),
     ("tiny-random", 1.2, 64, {}),
     ("tiny-random", 1.0, 1024, {"tokenswift__partial_kv__budget": 48, "tokenswift__partial_kv__sinks": 4}),
-    ("tiny-random", 1.2, 64, {"tokenswift__partial_kv__budget": 40, "tokenswift__partial_kv__granularity": "shared"}),
+    ("tiny-random", 1.2, 64, {"tokenswift__partial_kv__budget": 40, "tokenswift__partial_kv__granularity": "head"}),
     ("tiny-random", 1.3, 16, {"tokenswift__ngram__exclude_penalty_window": False, "tokenswift__tree": [1, 4, 2]}),
     ("tiny-qwen2", 1.0, 1024, {}),
     ("tiny-qwen2", 1.2, 64, {"tokenswift__partial_kv__budget": 32, "tokenswift__partial_kv__sinks": 2}),

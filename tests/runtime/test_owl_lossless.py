@@ -32,9 +32,9 @@ from sgl_longgen.runtime.embedded import random_state
 from sgl_longgen.runtime.model import ForwardSpec, ModelConfig, Transformer
 from sgl_longgen.core.penalty import window_tokens
 from sgl_longgen.core.sampling import LogitsProcessor
-from sgl_longgen.training.owl import fit_drafter
 
 from runtime_oracle import PROMPT, ar_output, config, model
+from helpers import fit_drafter
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ import torch
 
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.runtime import load_model
-from sgl_longgen.training.owl import fit_drafter
+from helpers import fit_drafter
 from sglang_harness import PROMPTS, engine_args, greedy, model_path, stop
 
 NEW_TOKENS = 128

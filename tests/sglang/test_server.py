@@ -35,8 +35,12 @@ def server():
         "--context-length", str(CONTEXT), "--max-running-requests", "4",
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
     ]
+    # As a user starts it: SGLANG_USE_CPU_ENGINE=1 and nothing on PYTHONPATH; the plugin puts its
+    # sgl_kernel stand-in in place.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     try:
@@ -105,3 +109,15 @@ def test_context_overflow_is_refused(server):
     res = requests.post(f"{server}/generate", json=body, timeout=300)
     assert res.status_code == 400
     assert "context" in res.text.lower() or "length" in res.text.lower()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_server_keeps_serving(server):
+    body = {"input_ids": [0, 99999], "sampling_params": {"max_new_tokens": 8}}
+    res = requests.post(f"{server}/generate", json=body, timeout=300)
+    assert res.status_code == 400, res.text
+    assert "input_ids[1] = 99999" in res.text
+    res = requests.post(f"{server}/generate", json={"input_ids": [0, -3], "sampling_params": {}}, timeout=300)
+    assert res.status_code == 400 and "input_ids[1] = -3" in res.text
+    good = requests.post(f"{server}/generate", json={
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}, timeout=300)
+    assert good.status_code == 200 and good.json()["meta_info"]["completion_tokens"] == 16

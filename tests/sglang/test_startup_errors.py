@@ -77,3 +77,20 @@ def test_paged_kv_pools_are_refused():
     with pytest.raises(ValueError, match="TOKENSWIFT needs --page-size 1"):
         sgl.Engine(**engine_args(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads_path()),
                                  page_size=16))
+
+
+def test_per_head_partial_kv_is_refused_naming_the_file(tmp_path):
+    shutil.copytree(heads_path(), tmp_path / "heads")
+    (tmp_path / "heads" / "longgen.toml").write_text('[tokenswift.partial_kv]\ngranularity = "head"\n')
+    with pytest.raises(ValueError, match=r"longgen.toml: \[tokenswift.partial_kv\] granularity = 'head'"):
+        start(tmp_path / "heads")
+
+
+@pytest.mark.parametrize("backend", ["fa3", "torch_native", "triton"])
+def test_attention_backends_that_cannot_verify_our_trees_are_refused(backend):
+    import sglang as sgl
+
+    with pytest.raises(ValueError, match=rf"TOKENSWIFT runs with --attention-backend longgen, flashinfer, "
+                                         rf"longgen_torch \(or none: SGLang's choice\), not {backend}"):
+        sgl.Engine(**engine_args(speculative_algorithm="TOKENSWIFT", speculative_draft_model_path=str(heads_path()),
+                                 attention_backend=backend))

@@ -1,0 +1,49 @@
+"""Small helpers several test folders share."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_longgen.core.owl import OwlDrafter
+from sgl_longgen.core.tree import DraftTree
+from sgl_longgen.runtime.model import Transformer
+from sgl_longgen.training.owl import new_drafter, owl_loss
+
+
+def children(tree: DraftTree, node: int) -> dict[int, int]:
+    """``{token: child}`` of a trie node's walkable children."""
+    return {tree.tokens[c]: c for c in range(1, tree.num_walkable) if tree.parents[c] == node}
+
+
+def path_nodes(tree: DraftTree, node: int) -> list[int]:
+    """Node ids from the root down to ``node``."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out[::-1]
+
+
+def fit_drafter(model: Transformer, sequences: torch.Tensor, steps: int, *, width: int | None = None,
+                n_steps: int = 8, spec: bool = True, lr: float = 1e-2, spec_dropout: float = 0.3,
+                seed: int = 0, draft_vocab: int = 0) -> OwlDrafter:
+    """A drafter fitted to given token sequences of the (frozen) target in a few full-batch steps.
+
+    For tests that need a drafter whose drafts are accepted: the same loss as ``train owl``, on
+    sequences the test already has (e.g. the target's own greedy continuations), without the data
+    pipeline. ``draft_vocab`` as in ``train owl``.
+    """
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    drafter = new_drafter(cfg.hidden_size, cfg.vocab_size, width or cfg.hidden_size, n_steps, spec, draft_vocab,
+                          sequences)
+    drafter.reset_parameters(gen, model.model.embed_tokens.weight)
+    drafter = drafter.to(dtype=model.dtype, device=sequences.device).train()
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        loss, _ = owl_loss(model, drafter, sequences, spec_dropout=spec_dropout, spec_weight=1.0,
+                           spec_target="next", generator=gen)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return drafter.eval().requires_grad_(False)
