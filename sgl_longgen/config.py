@@ -92,6 +92,9 @@ class TokenSwiftConfig(Strict):
     tree: list[PosInt] = msgspec.field(default_factory=lambda: [1, 3, 3, 3])
     ngram: NgramConfig = msgspec.field(default_factory=NgramConfig)
     partial_kv: PartialKVConfig = msgspec.field(default_factory=PartialKVConfig)
+    # The history's own longest continuation (SuffixDecoding's draft, with the [suffix] settings)
+    # as one more path of the trie: a repeating stretch is drafted past the head tree's depth.
+    suffix: bool = True
 
     def __post_init__(self) -> None:
         if not self.tree:

@@ -1,13 +1,15 @@
 """SuffixDecoding's linear drafts: continue the context's suffix the way the history did most often.
 
-Semantics (those of ArcticInference's depth-limited suffix tree in path mode, which OWL's HOWL
-uses): the index holds every suffix of the indexed sequences truncated to ``max_depth`` tokens, so
-the "node" of a pattern g (``len(g) <= max_depth``) has ``count(g)`` = its number of occurrences.
-For each match length p (the last p context tokens, ``1 <= p < max_depth``) the draft walks from
-that node to the most frequent child again and again; each emitted token carries the running
-probability ``prob *= count(child) / count(node)``, the walk stops at the budget
-``min(max_spec_tokens, floor(factor * p + offset))``, at depth ``max_depth``, at a pattern nothing
-followed, or before a token whose probability would fall below ``min_token_prob``. The draft's
+Semantics (those of ArcticInference's suffix tree in path mode, which OWL's HOWL uses, without
+its depth limit on the continuation): the "node" of a pattern g has ``count(g)`` = its number of
+occurrences in the indexed sequences. For each match length p (the last p context tokens,
+``1 <= p < max_depth``) the draft walks from that node to the most frequent child again and
+again; each emitted token carries the running probability ``prob *= count(child) / count(node)``,
+the walk stops at the budget ``min(max_spec_tokens, floor(factor * p + offset))``, at a pattern
+nothing followed, or before a token whose probability would fall below ``min_token_prob``. A
+depth-limited tree also stops at depth ``max_depth`` (p + drafted tokens), which caps a repeating
+stretch's draft at ``max_depth - p`` tokens, about nothing once the match is long; here the
+continuation is read from the history itself, so ``max_depth`` bounds only the match. The draft's
 score is the sum of its probabilities (an estimate of how many tokens will be accepted); the
 best score over all p wins, ties going to the longer match. Ties between equally frequent
 children go to the one seen most recently.
@@ -212,7 +214,7 @@ class SuffixIndex:
         found = self.matches(context)
         candidates = []
         for p, ends in enumerate(found, 1):
-            budget = min(max_spec_tokens, int(p * max_spec_factor + max_spec_offset + 1e-6), self.max_depth - p)
+            budget = min(max_spec_tokens, int(p * max_spec_factor + max_spec_offset + 1e-6))
             if budget > 0:
                 candidates.append((budget, p, ends))
         best = SuffixDraft()

@@ -95,10 +95,14 @@ def draft_trie(
     branching: Sequence[int],
     pool: NgramPool | None,
     max_nodes: int | None = None,
+    continuation: Sequence[int] = (),
 ) -> DraftTree:
-    """The heads' cartesian tree, then the n-gram pool's continuations of the top depth-1 token."""
+    """The heads' cartesian tree, the history's continuation (a suffix match), then the n-gram
+    pool's continuations of the top depth-1 token; ``max_nodes`` drops the last ones first."""
     tree = DraftTree(root)
     tree.add_cartesian(cartesian_rows(candidates, branching), Source.HEADS, max_nodes)
+    if continuation:
+        tree.add_path(continuation, Source.SUFFIX, max_nodes=max_nodes)
     if pool is not None and candidates and candidates[0]:
         conts = pool.lookup(candidates[0][0])
         first = tree.add_path(candidates[0][:1], Source.NGRAM, max_nodes=max_nodes) if conts else []

@@ -13,22 +13,23 @@ accept, and every committed token is drawn from the target distribution by the p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import SamplingConfig, TokenSwiftConfig
+from ..config import SamplingConfig, SuffixConfig, TokenSwiftConfig
 from ..core.ngram import NgramPool
 from ..core.partial_kv import PartialKVPolicy
 from ..core.penalty import window_tokens
+from ..core.suffix import SuffixIndex
 from ..core.tokenswift import draft_trie, rank_candidates
 from .base import Draft
 
 
 @dataclass
 class TokenSwiftState:
-    """One request's n-gram pool and partial-KV policy.
+    """One request's n-gram pool, suffix index and partial-KV policy.
 
     ``slots``: whatever a runtime caches per selection (the SGLang worker keeps the selected
     positions' KV slots on the device, so a step gathers them without a host copy).
@@ -36,6 +37,9 @@ class TokenSwiftState:
 
     pool: NgramPool | None
     policy: PartialKVPolicy
+    suffix: SuffixIndex | None = None
+    indexed: int = 0  # history tokens in the suffix index
+    continuation: list[int] = field(default_factory=list)  # the history's draft for this step
     slots: Any = None
 
 
@@ -67,8 +71,10 @@ class TokenSwift:
     """``num_layers`` and ``num_kv_heads`` size the ``head`` granularity (one selection per layer and
     KV head); ``shared`` keeps one selection for all of them."""
 
-    def __init__(self, config: TokenSwiftConfig, num_layers: int = 1, num_kv_heads: int = 1):
+    def __init__(self, config: TokenSwiftConfig, suffix: SuffixConfig | None = None, num_layers: int = 1,
+                 num_kv_heads: int = 1):
         self.config = config
+        self.suffix = suffix if config.suffix else None
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.width = max(config.tree)
@@ -83,7 +89,8 @@ class TokenSwift:
         pool = NgramPool(ng.n, ng.top_k) if ng.enabled else None
         policy = PartialKVPolicy(self.config.partial_kv, self.num_layers, self.num_kv_heads)
         policy.reset(seq_len)
-        return TokenSwiftState(pool, policy)
+        index = SuffixIndex(self.suffix.max_depth) if self.suffix is not None else None
+        return TokenSwiftState(pool, policy, index)
 
     def view(self, state: TokenSwiftState) -> DraftView:
         """The next draft forward's positions; a due selection with nothing to rank is taken at once."""
@@ -101,15 +108,22 @@ class TokenSwift:
         state.policy.select(scores)
 
     def index(self, state: TokenSwiftState, history: Sequence[int], sampling: SamplingConfig) -> None:
-        """Index the n-grams committed since the last call (``history``: committed tokens and the root).
+        """Index what was committed since the last call (``history``: committed tokens and the
+        root) and find the history's continuation of it; none of it needs the draft forward.
 
-        Upstream never indexes inside the contextual penalty's window: its tokens are penalized
-        and rarely verify.
+        Upstream never indexes n-grams inside the contextual penalty's window: its tokens are
+        penalized and rarely verify.
         """
-        if state.pool is None:
-            return
-        exclude = sampling.penalty_window if (self.config.ngram.exclude_penalty_window and sampling.penalty_active) else 0
-        state.pool.extend(history, len(history) - exclude)
+        if state.pool is not None:
+            ng = self.config.ngram
+            exclude = sampling.penalty_window if (ng.exclude_penalty_window and sampling.penalty_active) else 0
+            state.pool.extend(history, len(history) - exclude)
+        if state.suffix is not None:
+            state.suffix.extend(history[state.indexed :])
+            state.indexed = len(history)
+            s = self.suffix
+            state.continuation = state.suffix.speculate(history, s.max_spec_tokens, s.max_spec_factor,
+                                                        s.max_spec_offset, s.min_token_prob).tokens
 
     @staticmethod
     def penalty_window(history: Sequence[int], sampling: SamplingConfig) -> set[int] | None:
@@ -127,7 +141,7 @@ class TokenSwift:
                 max_nodes: int | None = None) -> Draft:
         """The trie from the heads' raw candidates (``[1 + heads, k]``, best first) and the n-gram pool."""
         cands = rank_candidates(values, ids, sampling, window, self.width)
-        tree = draft_trie(root, cands, self.config.tree, state.pool, max_nodes)
+        tree = draft_trie(root, cands, self.config.tree, state.pool, max_nodes, state.continuation)
         return Draft(tree, depth=tree.max_depth)
 
     def observe(self, state: TokenSwiftState, seq_len: int) -> None:

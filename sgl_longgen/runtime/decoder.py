@@ -31,7 +31,7 @@ class Stats:
     steps: int = 0
     accepted: int = 0  # accepted draft tokens (bonus excluded)
     drafted: int = 0  # draft depth offered per step, summed (TokenSwift Eq. 4's gamma * T)
-    ngram_steps: int = 0  # steps whose accepted path reached past the head tree via an n-gram
+    ngram_steps: int = 0  # steps whose accepted path went past the head tree along the history (n-gram, suffix)
     linear_steps: int = 0  # HOWL: steps that verified a linear suffix draft instead of an OWL tree
     verify_tokens: int = 0  # rows through the verify forwards (draft nodes, root, [SPEC] leaves)
     draft_seconds: float = 0.0

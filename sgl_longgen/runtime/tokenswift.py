@@ -39,7 +39,7 @@ class TokenSwiftDecoder(Decoder):
         if ts.partial_kv.budget > ctx:
             raise LonggenError(f"partial KV budget {ts.partial_kv.budget} is larger than the model's context ({ctx})")
         cfg = loaded.config
-        self.method = TokenSwift(ts, cfg.num_hidden_layers, cfg.n_kv_heads)
+        self.method = TokenSwift(ts, config.suffix, cfg.num_hidden_layers, cfg.n_kv_heads)
         self.heads = heads.to(device=self.model.device, dtype=self.model.dtype).eval().requires_grad_(False)
         # The largest trie: the full head tree plus every n-gram path's own nodes.
         tree_nodes, width = 1, 1
@@ -47,7 +47,8 @@ class TokenSwiftDecoder(Decoder):
             width *= b
             tree_nodes += width
         ngram_nodes = ts.ngram.top_k * ts.ngram.n if ts.ngram.enabled else 0
-        self.slack = tree_nodes + ngram_nodes
+        suffix_nodes = config.suffix.max_spec_tokens if ts.suffix else 0
+        self.slack = tree_nodes + ngram_nodes + suffix_nodes
 
     def after_prefill(self) -> None:
         self.state = self.method.start(self.length)
@@ -89,7 +90,7 @@ class TokenSwiftDecoder(Decoder):
         s.accepted += verdict.accepted
         s.drafted += draft.depth
         last = verdict.nodes[-1]
-        if tree.sources[last] & Source.NGRAM and not tree.sources[last] & Source.HEADS:
+        if tree.sources[last] & (Source.NGRAM | Source.SUFFIX) and not tree.sources[last] & Source.HEADS:
             s.ngram_steps += 1
         s.draft_seconds += t_draft - t
         s.verify_seconds += time.perf_counter() - t_draft

@@ -131,7 +131,7 @@ MEMBERS: dict[str, tuple[str, ...]] = {
         "return_logprob", "customized_info", "req_pool_idx", "eos_token_ids", "tokenizer"),
     "sglang.srt.managers.schedule_batch.ScheduleBatch": (
         "reqs", "forward_mode", "seq_lens", "seq_lens_cpu", "req_to_token_pool", "req_pool_indices", "input_ids",
-        "out_cache_loc", "spec_info", "sampling_info", "return_logprob", "replace_positions", "replace_embeds"),
+        "out_cache_loc", "spec_info", "sampling_info", "return_logprob"),
     "sglang.srt.sampling.sampling_params.SamplingParams": (
         "custom_params", "sampling_seed", "top_k", "temperature", "top_p", "min_p", "frequency_penalty",
         "presence_penalty", "repetition_penalty", "min_new_tokens", "max_new_tokens", "ignore_eos",
@@ -144,7 +144,9 @@ MEMBERS: dict[str, tuple[str, ...]] = {
         "speculative_num_draft_tokens", "can_run_cuda_graph"),
     "sglang.srt.speculative.spec_registry.CustomSpecAlgo": ("is_ngram", "has_draft_kv", "handle_server_args"),
     "sglang.srt.plugins.hook_registry.HookRegistry": ("register", "apply_hooks", "_patched"),
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager": ("model_config",),
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager": ("model_config", "_subprocess_watchdog"),
+    "sglang.srt.server_args.ServerArgs": ("return_hidden_states_mode", "attention_backend", "page_size",
+                                          "speculative_num_draft_tokens", "disable_overlap_schedule"),
 }
 
 # -- fields of live objects, checked when a worker is built -------------------------------------
@@ -152,6 +154,7 @@ MEMBERS: dict[str, tuple[str, ...]] = {
 FIELDS: dict[str, tuple[str, ...]] = {
     "target_worker": ("model_runner", "get_memory_pool", "forward_batch_generation"),
     "model_runner": ("model", "device", "model_config", "server_args", "forward"),
+    "model": ("get_input_embeddings", "lm_head"),
     # Once SGLang has allocated the pools and built the attention backends.
     "model_runner_ready": ("attn_backend", "token_to_kv_pool", "req_to_token_pool"),
     # What the draft forward's CUDA graphs re-plan and fill (FlashInfer decode wrappers).

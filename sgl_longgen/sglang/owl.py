@@ -5,10 +5,12 @@ state of the last committed token (and of the [SPEC] leaf that followed it in th
 forward) and expands a tree. The verify forward returns every row's hidden state
 (``CaptureHiddenMode.FULL``) and the method keeps the accepted ones (:mod:`sgl_longgen.methods.owl`).
 
-[SPEC] never touches the model's weights: its rows go through the forward with SGLang's input
-embedding override (``replace_embeds`` / ``replace_positions``) set to the drafter checkpoint's
-vector, so no vocabulary row is sacrificed and a [SPEC] can never be sampled. Its KV slots are
-never accepted, so the commit drops them with the other rejected nodes.
+[SPEC] never touches the model's weights: a forward hook on the target's input embedding puts
+the drafter checkpoint's vector on the [SPEC] rows (:class:`SpecEmbedding`), so no vocabulary row
+is sacrificed and a [SPEC] can never be sampled. The hook reads a fixed mask buffer, so it is
+captured with SGLang's verify CUDA graphs (SGLang's own ``replace_embeds`` override is never
+replayed from a graph). Its KV slots are never accepted, so the commit drops them with the other
+rejected nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from ..core.owl import GraphedExpand, expand, load_drafter, verify_width
+from ..core.owl import GraphedExpand, load_drafter, verify_width
 from ..core.verify import Verdict
 from ..errors import LonggenError
 from ..methods import Draft, Howl, Owl
@@ -25,6 +27,38 @@ from .drafter import Drafter, Shadow
 from .requests import PenaltyDefaults, StepRequest
 
 SPEC_INPUT_ID = 0  # any valid id: the row's embedding is replaced by the [SPEC] vector
+
+
+class SpecEmbedding:
+    """The [SPEC] vector on chosen rows of the target's input embeddings, inside its forward.
+
+    ``mask[i]`` marks row i of the next forward; the hook keeps every other row as it is. The
+    mask is one device buffer, so graphs captured with the hook in place read the step's rows.
+    It is cleared right behind the verify forward on the same stream: a prefill never sees it.
+    Forwards longer than the buffer (long prefills) carry no [SPEC] rows and pass untouched.
+    """
+
+    def __init__(self, embedding: torch.nn.Module, vector: torch.Tensor, max_tokens: int, staging):
+        self.vector = vector
+        self.mask = torch.zeros(max_tokens, dtype=torch.bool, device=vector.device)
+        self.staging = staging
+        embedding.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        n = output.shape[0]
+        if n > self.mask.shape[0]:
+            return None
+        return torch.where(self.mask[:n, None], self.vector.to(output.dtype), output)
+
+    def set_rows(self, rows: list[int], n: int) -> None:
+        host = self.staging("spec_rows", n, torch.bool)
+        flags = host.numpy()
+        flags[:] = False
+        flags[rows] = True
+        self.mask[:n].copy_(host, non_blocking=True)
+
+    def clear(self) -> None:
+        self.mask.zero_()
 
 
 class OwlDrafter(Drafter):
@@ -40,18 +74,22 @@ class OwlDrafter(Drafter):
         if width > env.num_nodes:
             raise LonggenError(f"OWL trees of {o.tree_size} nodes need speculative_num_draft_tokens >= "
                                f"{width}, got {env.num_nodes}")
-        dtype = next(env.runner.model.parameters()).dtype
+        model = env.runner.model
+        dtype = next(model.parameters()).dtype
         self.drafter = load_drafter(draft.path).to(device=env.device, dtype=dtype)
-        self.spec_vector = self.drafter.spec_embedding.detach() if o.spec else None
-        if sa.disable_cuda_graph:
-            def beam(h, roots, h_spec, has_spec):
-                return expand(self.drafter, h, roots, h_spec, torch.tensor(has_spec), top_k=o.top_k, depth=o.depth,
-                              tree_size=o.tree_size)
-        else:  # CUDA graph of the beam on GPU (plain calls on CPU tensors)
-            from ..kernels.owl_beam import fused_expand
-
-            beam = GraphedExpand(self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size,
-                                 fast=fused_expand if o.beam == "fused" else None, compile=o.beam == "compiled")
+        self.spec = None
+        if o.spec:  # before SGLang captures the target's graphs: the hook is part of them
+            # Room for the largest verify batch SGLang may capture or run (graphs read the buffer).
+            max_tokens = max(int(sa.max_running_requests or 0), int(getattr(sa, "cuda_graph_max_bs", 0) or 0), 512)
+            max_tokens *= env.num_nodes
+            self.spec = SpecEmbedding(model.get_input_embeddings(), self.drafter.spec_embedding.detach(), max_tokens,
+                                      env.staging)
+        # The beam replays as a CUDA graph on a GPU, whatever the target does (plain calls on CPU tensors).
+        fused = None
+        if env.device.type == "cuda" and o.beam == "fused":
+            from ..kernels.owl_beam import fused_expand as fused
+        beam = GraphedExpand(self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size, fast=fused,
+                             compile=o.beam == "compiled")
         self.method = self._method(draft.defaults, beam)
         sampling = draft.defaults.sampling
         self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
@@ -88,6 +126,7 @@ class OwlDrafter(Drafter):
         shadow()
         routes = [None if step.blocker is not None else self.method.route(step.state.method, step.rid, step.history)
                   for step in steps]
+        self.env.clock.note("linear_steps", float(sum(r is not None and r.linear for r in routes)))
         return self.method.propose([s.rid for s in steps], [s.state.method for s in steps], [s.root for s in steps],
                                    routes, self.env.num_nodes)
 
@@ -95,10 +134,11 @@ class OwlDrafter(Drafter):
         n = self.env.num_nodes
         rows = [b * n + leaf for b, draft in enumerate(drafts) for leaf in draft.leaves]
         if rows:
-            batch.replace_positions = torch.tensor(rows, dtype=torch.int64, device=self.env.device)
-            batch.replace_embeds = self.spec_vector.expand(len(rows), -1).contiguous()
+            self.spec.set_rows(rows, len(drafts) * n)
 
     def after_verify(self, steps: list[StepRequest], drafts: list[Draft], logits_output) -> None:
+        if self.spec is not None:
+            self.spec.clear()
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("the verify forward returned no hidden states for OWL")

@@ -34,7 +34,10 @@ _PROBLEMS: list[str] = []  # why our algorithms cannot run on this SGLang (empty
 # drafts or crash mid-request.
 SUPPORTED_BACKENDS = (backends.HYBRID, "flashinfer", backends.TORCH)
 # Algorithms that get the ``longgen`` backend where SGLang would pick FlashInfer.
-HYBRID_VERIFY_DEFAULT = ("TOKENSWIFT",)
+HYBRID_VERIFY_DEFAULT = ("TOKENSWIFT", "OWL", "HOWL")
+# Algorithms whose drafters read the verify forward's hidden states: SGLang's verify graphs must
+# capture them (its capture mode for target-KV-only tree verifiers is otherwise none).
+NEEDS_HIDDEN_STATES = ("OWL", "HOWL")
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,8 @@ def prepare_server_args(server_args) -> None:
     if server_args.speculative_eagle_topk is None:
         # > 1 keeps SGLang's backends on their tree-mask (not chain) verify path.
         server_args.speculative_eagle_topk = max(2, top_k)
+    if name in NEEDS_HIDDEN_STATES and server_args.return_hidden_states_mode != "full":
+        server_args.return_hidden_states_mode = "full"
     if not server_args.disable_overlap_schedule:
         logger.info("%s runs on the synchronous scheduler: disabling overlap scheduling", name)
         server_args.disable_overlap_schedule = True
@@ -182,7 +187,7 @@ def skip_draft_config(speculative_algorithm, speculative_draft_model_path, *args
 
 
 def prefer_longgen_backend(result, server_args, *args, **kwargs):
-    """Where SGLang picks FlashInfer for TOKENSWIFT, pick its hybrid-verify subclass.
+    """Where SGLang picks FlashInfer for our algorithms, pick its hybrid-verify subclass.
 
     ``longgen`` is FlashInfer for prefill and decode; its TARGET_VERIFY runs the long prefix
     through FlashInfer and the draft tree through a Triton kernel, about half the verify time of

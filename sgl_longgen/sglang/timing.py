@@ -8,7 +8,8 @@ true for ``"sync"``). A step that serves such a request records, for that reques
 * ``longgen_<section>_ms`` for each section of the step, ``longgen_between_steps_ms`` (the time
   since the worker's previous step returned: SGLang's scheduler), ``longgen_gc_ms`` (garbage
   collection inside the step) and the drafter's notes (``longgen_draft_queued_ahead``,
-  ``longgen_draft_chained``: 1.0 when the step used a draft queued ahead / chained the next one);
+  ``longgen_draft_chained``: 1.0 when the step used a draft queued ahead / chained the next one;
+  ``longgen_linear_steps``: HOWL's requests that verified a suffix chain that step);
 * in ``host`` mode, the forwards' GPU spans from CUDA events (``longgen_draft_gpu_ms``,
   ``longgen_verify_gpu_ms``) and the device time between them
   (``longgen_gap_draft_verify_ms``, ``longgen_gap_verify_draft_ms``); in ``sync`` mode every

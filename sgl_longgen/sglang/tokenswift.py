@@ -63,7 +63,7 @@ class TokenSwiftDrafter(Drafter):
         sa = env.server_args
         draft = inspect_heads_draft_dir(sa.speculative_draft_model_path, sa.model_path)
         ts = draft.defaults.tokenswift
-        self.method = TokenSwift(ts)
+        self.method = TokenSwift(ts, draft.defaults.suffix)
         sampling = draft.defaults.sampling
         self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
         model = env.runner.model

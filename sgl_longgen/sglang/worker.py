@@ -76,6 +76,7 @@ class SpecWorker(BaseSpecWorker):
         compat.require_fields("target_worker", target_worker)
         runner = target_worker.model_runner
         compat.require_fields("model_runner", runner)
+        compat.require_fields("model", runner.model)
         self.server_args = server_args
         self._target_worker = target_worker
         self.device = torch.device(runner.device)

@@ -16,11 +16,11 @@ from sgl_longgen.core.suffix import SENTINEL, SuffixCache, SuffixIndex
 
 def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: int, factor: float,
                 offset: float, min_prob: float) -> tuple[list[int], float, int]:
-    """The depth-limited suffix tree's path draft, computed by scanning the whole array each time.
+    """The suffix tree's path draft, computed by scanning the whole array each time.
 
     count(g) = occurrences of g; a step goes to the most frequent continuation (ties: the one
-    seen last), prob *= count(g + t) / count(g); budget min(max_tokens, factor * p + offset,
-    max_depth - p); the best score wins, ties to the longer match.
+    seen last), prob *= count(g + t) / count(g); matches up to max_depth - 1 tokens; budget
+    min(max_tokens, factor * p + offset); the best score wins, ties to the longer match.
     """
     n = len(arr)
     ctx = context[-(max_depth - 1):]
@@ -30,7 +30,7 @@ def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: 
         ends = [e for e in range(p, n + 1) if arr[e - p : e] == g]
         if not ends:
             break
-        budget = min(max_tokens, int(p * factor + offset + 1e-6), max_depth - p)
+        budget = min(max_tokens, int(p * factor + offset + 1e-6))
         tokens, score, prob, count = [], 0.0, 1.0, len(ends)
         while len(tokens) < budget:
             stats: dict[int, list[int]] = {}
@@ -123,11 +123,12 @@ def test_a_repeated_block_is_drafted_in_full_within_the_budget():
     draft = index.speculate(seq, max_spec_tokens=64, max_spec_factor=2.0)
     expected = (block * 3)[7:]
     assert draft.tokens == expected[: len(draft.tokens)]
-    assert len(draft.tokens) <= min(64, 2 * draft.match_len, 64 - draft.match_len)
-    assert draft.score > 20  # four earlier copies: every token is predicted with probability >= 4/5
+    # The whole budget: the continuation is not cut where match + draft would reach max_depth.
+    assert len(draft.tokens) == 64 and 2 * draft.match_len >= 64
+    assert draft.score > 40  # four earlier copies: every token is predicted with probability >= 4/5
     assert index.speculate(seq, max_spec_tokens=5, max_spec_factor=2.0).tokens == expected[:5]
-    short = index.speculate(seq, max_spec_factor=0.1)  # budget floor(0.1 p) and 64 - p: at most 5
-    assert 1 <= len(short.tokens) <= 5 and short.tokens == expected[: len(short.tokens)]
+    short = index.speculate(seq, max_spec_factor=0.1)  # budget floor(0.1 p): at most 6
+    assert 1 <= len(short.tokens) <= 6 and short.tokens == expected[: len(short.tokens)]
 
 
 def test_sequences_do_not_bleed_into_each_other():

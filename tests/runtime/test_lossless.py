@@ -142,3 +142,24 @@ def test_sampled_tokenswift_follows_the_exact_distribution():
     keep = expected > 0
     assert counts.ravel()[~keep].sum() == 0
     assert chisquare(counts.ravel()[keep], expected[keep]).pvalue > 1e-3
+
+
+def test_the_history_drafts_past_the_head_tree_depth():
+    """The proxy's greedy code repeats itself; the history's continuation is then accepted beyond
+    the [1,3,3,3] tree's 4 levels (at most 5 tokens per step without it), output still identical."""
+    with_suffix = build_decoder(model("tiny"), config("tokenswift")).generate(PROMPT, 512)
+    without = build_decoder(model("tiny"), config("tokenswift", tokenswift__suffix=False)).generate(PROMPT, 512)
+    plain = build_decoder(model("tiny"), config("ar")).generate(PROMPT, 512)
+    assert with_suffix.output_ids == without.output_ids == plain.output_ids
+    assert without.accept_length <= 5.0
+    assert with_suffix.accept_length > 5.5
+
+
+@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
+def test_the_token_budget_is_exact(method):
+    """Steps that accept several tokens never overrun ``max_new_tokens``, whatever it is."""
+    dec = build_decoder(model("tiny-random"), config(method))
+    for n in (1, 2, 7, 1023):
+        result = dec.generate(PROMPT, n)
+        assert result.finish_reason == "length" and result.num_new_tokens == n
+        assert tuple(result.output_ids) == ar_output("tiny-random", 1.0, 1024, n)

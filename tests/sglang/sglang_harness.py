@@ -8,7 +8,7 @@ from pathlib import Path
 from sgl_longgen.runtime import resolve_model
 
 MODEL = "tiny-random"
-CONTEXT = 1024
+CONTEXT = 2048
 
 
 def model_path() -> Path:
@@ -50,6 +50,20 @@ PROMPTS = [
     [256] + list(b"def fibonacci(n):\n    if n < 2:\n        return n\n"),
     [256, 5, 6, 7, 8, 9, 5, 6, 7],
 ]
+
+
+BUDGETS = (1, 2, 7, 1023)  # max_new_tokens that end inside, at and right after a multi-token step
+
+
+def check_budgets(plain_engine, engine) -> None:
+    """Exactly ``max_new_tokens`` tokens come back, whatever a step accepted past the budget."""
+    for n in BUDGETS:
+        want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n))
+        got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(n))
+        for w, g in zip(want, got):
+            assert len(g["output_ids"]) == len(w["output_ids"]) == n
+            assert g["output_ids"] == w["output_ids"]
+            assert g["meta_info"]["completion_tokens"] == n
 
 
 def greedy(max_new_tokens: int, **extra) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 
-from sglang_harness import CONTEXT, PROMPTS, greedy, heads_path, spec_args, stop
+from sglang_harness import CONTEXT, PROMPTS, check_budgets, greedy, heads_path, spec_args, stop
 
 NEW_TOKENS = 256
 PENALTY = {"penalty": 1.2, "penalty_window": 64}
@@ -106,3 +106,7 @@ def test_drafts_queued_ahead_serve_most_steps(plain_engine, spec_engine):
     # Most were queued on the device right behind the commit, before the host read the draws.
     chained = [x for x in meta["longgen_draft_chained"] if x is not None]
     assert len(chained) == len(ahead) and sum(chained) >= 0.5 * len(chained)
+
+
+def test_the_token_budget_is_exact(plain_engine, spec_engine):
+    check_budgets(plain_engine, spec_engine)

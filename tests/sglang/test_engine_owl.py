@@ -14,7 +14,7 @@ import torch
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.runtime import load_model
 from helpers import fit_drafter
-from sglang_harness import PROMPTS, engine_args, greedy, model_path, stop
+from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop
 
 NEW_TOKENS = 128
 PENALTY = {"penalty": 1.3, "penalty_window": 32}
@@ -108,3 +108,25 @@ def test_a_heads_directory_is_not_an_owl_drafter(tmp_path):
 
     with pytest.raises(ValueError, match=r"OWL: OWL drafter checkpoint is missing .*owl.json"):
         start("OWL", heads_path())
+
+
+def test_owl_token_budget_is_exact(plain_engine, owl_engine):
+    check_budgets(plain_engine, owl_engine)
+
+
+def test_howl_token_budget_is_exact(plain_engine, howl_engine):
+    check_budgets(plain_engine, howl_engine)
+
+
+def test_howl_mixes_linear_and_tree_steps(plain_engine, howl_engine):
+    """The fitted drafter's training sequences repeat: HOWL verifies suffix chains on some steps and
+    OWL trees on others, including the tree step right after a chain (the null [SPEC] state)."""
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    got = howl_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, custom_params={"longgen_timing": "host"}))
+    steps = []
+    for w, g in zip(want, got):
+        assert g["output_ids"] == w["output_ids"]
+        steps.append([x for x in g["meta_info"]["longgen_linear_steps"] if x is not None])
+    linear = sum(steps, [])
+    assert 0 < sum(linear) < len(linear), steps
+    assert any(a == 1.0 and b == 0.0 for s in steps for a, b in zip(s, s[1:]))  # a tree right after a chain
