@@ -24,6 +24,7 @@ A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift he
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json [--attention-backend longgen]
+    python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithm NGRAM --draft-tokens 16
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --step-detail 128 --detail-modes host
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --owl-width 4096 2048 1024
 """
@@ -87,15 +88,20 @@ def make_owl_drafter(root: Path, width: int, draft_vocab: int) -> Path:
     return out
 
 
-def engine(model: Path, draft: Path | None, args) -> object:
-    kw = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True,
-              attention_backend=args.attention_backend or (None if draft is not None else "flashinfer"),
+def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:
+    """Plain decoding (``spec=False``) runs on SGLang's own choice of backend unless
+    ``--plain-attention-backend`` names one: on Hopper that is FA3, the path to beat."""
+    backend = args.attention_backend if spec else args.plain_attention_backend
+    kw = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True, attention_backend=backend,
               mem_fraction_static=args.mem_fraction,
               context_length=131072, log_level="warning", random_seed=0, chunked_prefill_size=16384,
-              disable_radix_cache=True, max_running_requests=4, cuda_graph_max_bs_decode=2)
-    if draft is not None:
-        kw.update(speculative_algorithm=args.algorithm, speculative_draft_model_path=str(draft),
-                  disable_overlap_schedule=True, speculative_num_draft_tokens=args.draft_tokens)
+              disable_radix_cache=True, max_running_requests=4, cuda_graph_max_bs_decode=2,
+              cuda_graph_backend_prefill="disabled")  # prefill graphs: a minute per start, no decode step
+    if spec:
+        kw.update(speculative_algorithm=args.algorithm, speculative_num_draft_tokens=args.draft_tokens,
+                  disable_overlap_schedule=True)
+        if draft is not None:
+            kw.update(speculative_draft_model_path=str(draft))
         if args.no_cuda_graph:
             kw.update(disable_cuda_graph=True)
     return open_engine(**kw)
@@ -273,8 +279,13 @@ def save_report(path: Path, report: dict) -> None:
 
 def phase_plain(args, model: Path, prompts, long_prompts, report: dict) -> None:
     t = time.time()
-    plain = engine(model, None, args)
+    plain = engine(model, None, args, spec=False)
     report["plain_engine_start_s"] = round(time.time() - t, 1)
+    try:
+        report["plain_attention_backend"] = plain.get_server_info().get("attention_backend")
+    except Exception as exc:  # a report without it is still worth having
+        report["plain_attention_backend"] = f"unknown ({exc})"
+    print(f"plain decoding on the {report['plain_attention_backend']} backend", flush=True)
     want = plain.generate(input_ids=prompts, sampling_params=greedy(args.tokens),
                           return_logprob=True, top_logprobs_num=2)
     report["plain_outputs"] = [
@@ -301,7 +312,7 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
     result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
                     "cuda_graph": not args.no_cuda_graph}
-    if args.algorithm != "TOKENSWIFT":
+    if args.algorithm in ("OWL", "HOWL"):
         result["drafter"] = draft.name
     profile_path = None
     if args.host_profile:
@@ -322,6 +333,7 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
         diff = first_difference(w["output_ids"], g["output_ids"])
         gap = w["top2_gaps"][diff] if diff is not None and diff < len(w["top2_gaps"]) else None
         equality.append({"identical": diff is None, "first_difference": diff,
+                         "lengths": [len(w["output_ids"]), len(g["output_ids"])],
                          "plain_top2_logprob_gap_there": gap, "tau": g["meta_info"].get("spec_accept_length")})
         print(f"[{tag}] greedy equality over {args.tokens} tokens: {equality[-1]}", flush=True)
     result["equality"] = equality
@@ -406,6 +418,26 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
               f" {host[0]:>7} {host[1]:>8} {host[2]:>9} {host[3]:>8}", flush=True)
 
 
+def summary(report: dict) -> str:
+    """One markdown table of every speculative run in the report, next to plain decoding."""
+    plain = report.get("ar_step_ms", {})
+    lines = [f"plain decoding: {report.get('plain_attention_backend', '?')} backend, "
+             + ", ".join(f"{float(v):.2f} ms/token at {k}" for k, v in plain.items()), "",
+             "| run | backend | greedy equal | context | tau | ms/token | speedup | draft ms | verify ms"
+             " | step wall (median) | outside forwards (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for tag, run in report.items():
+        if not isinstance(run, dict) or "steps" not in run:
+            continue
+        equal = sum(e["identical"] for e in run.get("equality", []))
+        for r in run["steps"]:
+            cells = [tag, run.get("attention_backend_used"), f"{equal}/{len(run.get('equality', []))}", r["context"],
+                     r.get("tau"), r.get("ms_per_token"), r.get("speedup"), r.get("draft_ms"), r.get("verify_ms"),
+                     r.get("host_step_wall_median_ms"), r.get("host_outside_forwards_median_ms")]
+            lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def phase_owl(args, report: dict) -> None:
     first = str(args.contexts[0])
     ar_ms = report.get("ar_step_ms", {}).get(first, float("nan"))
@@ -434,11 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=4096, help="partial KV budget B")
     p.add_argument("--draft-tokens", type=int, default=64, help="speculative_num_draft_tokens")
     p.add_argument("--attention-backend", default=None,
-                   help="default: flashinfer for plain decoding, SGLang's choice with our plugin for the algorithms")
+                   help="backend of the speculative engine (default: SGLang's choice with our plugin loaded)")
+    p.add_argument("--plain-attention-backend", default=None,
+                   help="backend of plain decoding (default: SGLang's choice, fa3 on Hopper)")
     p.add_argument("--mem-fraction", type=float, default=0.8)
-    p.add_argument("--algorithm", choices=("TOKENSWIFT", "OWL", "HOWL"), default="TOKENSWIFT",
+    p.add_argument("--algorithm", choices=("TOKENSWIFT", "OWL", "HOWL", "NGRAM"), default="TOKENSWIFT",
                    help="the speculative algorithm of the spec phase (OWL/HOWL: a random drafter of "
-                        "--owl-width[0] and --owl-draft-vocab)")
+                        "--owl-width[0] and --owl-draft-vocab; NGRAM: SGLang's own, for comparison)")
     p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
     p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
                    help="after the untimed runs at each context, a request of this many tokens per --detail-modes "
@@ -467,9 +501,12 @@ def main(argv: list[str] | None = None) -> int:
         phase_plain(args, model, prompts, long_prompts, report)
         save_report(args.out, report)
     if args.phase in ("all", "spec"):
-        draft = heads if args.algorithm == "TOKENSWIFT" else make_owl_drafter(root, args.owl_width[0], args.owl_draft_vocab)
+        draft = {"TOKENSWIFT": lambda: heads, "NGRAM": lambda: None}.get(
+            args.algorithm, lambda: make_owl_drafter(root, args.owl_width[0], args.owl_draft_vocab))()
         phase_spec(args, model, draft, prompts, long_prompts, report)
         save_report(args.out, report)
+        args.out.with_suffix(".md").write_text(summary(report))
+        print(summary(report), flush=True)
     if args.phase in ("all", "owl"):
         phase_owl(args, report)
         save_report(args.out, report)

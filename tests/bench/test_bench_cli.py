@@ -132,3 +132,22 @@ def test_host_figures_without_gpu_spans_or_tau():
     assert figures == {"host_step_wall_ms": 18.75, "host_step_wall_median_ms": 18.0}
     assert gpu_check.host_figures([], tau=2.0) == {}
     assert math.isnan(gpu_check.phase_means([])["draft_ms"])
+
+
+def test_summary_has_one_row_per_run_and_context():
+    report = {
+        "plain_attention_backend": "fa3", "ar_step_ms": {"4096": 6.6, "98304": 10.9},
+        "config": {"tokens": "2048"},
+        "tokenswift_default": {"attention_backend_used": "longgen",
+                               "equality": [{"identical": True}, {"identical": False}],
+                               "steps": [{"context": 4096, "tau": 3.0, "ms_per_token": 3.3, "speedup": 2.0},
+                                         {"context": 98304, "tau": 3.0, "ms_per_token": 5.45, "speedup": 2.0}]},
+        "ngram_default": {"attention_backend_used": "fa3", "equality": [{"identical": True}],
+                          "steps": [{"context": 98304, "tau": 16.0, "ms_per_token": 0.9, "speedup": 12.1}]},
+    }
+    table = gpu_check.summary(report).splitlines()
+    assert table[0] == "plain decoding: fa3 backend, 6.60 ms/token at 4096, 10.90 ms/token at 98304"
+    rows = [line for line in table if line.startswith("| tokenswift") or line.startswith("| ngram")]
+    assert len(rows) == 3
+    assert rows[1].startswith("| tokenswift_default | longgen | 1/2 | 98304 | 3.0 | 5.45 | 2.0 | - |")
+    assert rows[2].startswith("| ngram_default | fa3 | 1/1 | 98304 | 16.0 | 0.9 | 12.1 |")

@@ -1,4 +1,4 @@
-"""TOKENSWIFT gets the ``longgen`` attention backend wherever SGLang would pick FlashInfer."""
+"""TOKENSWIFT, OWL and HOWL get the ``longgen`` attention backend wherever SGLang would pick FlashInfer."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ def _default_backend(monkeypatch, algorithm, flashinfer=True):
     return server_args.ServerArgs._get_default_attn_backend(args, False, model_config)
 
 
-def test_tokenswift_gets_the_hybrid_verify_backend(monkeypatch):
-    assert _default_backend(monkeypatch, "TOKENSWIFT") == "longgen"
-    assert _default_backend(monkeypatch, "tokenswift") == "longgen"
+def test_tree_methods_get_the_hybrid_verify_backend(monkeypatch):
+    for algorithm in ("TOKENSWIFT", "tokenswift", "OWL", "HOWL"):
+        assert _default_backend(monkeypatch, algorithm) == "longgen", algorithm
 
 
 def test_other_choices_are_left_alone(monkeypatch):
     assert _default_backend(monkeypatch, "NGRAM") == "flashinfer"
-    assert _default_backend(monkeypatch, "OWL") == "flashinfer"
     assert _default_backend(monkeypatch, None) == "flashinfer"
     assert _default_backend(monkeypatch, "TOKENSWIFT", flashinfer=False) == "triton"
