@@ -5,8 +5,9 @@ Tree verification attends each of the ``T`` draft tokens of a request to the com
 on the ``T x T`` tree block, so the attention splits exactly into
 
 1. the prefix part, unmasked, where all ``T*G`` query rows of a KV head share each KV tile:
-   the Triton split-KV kernel (``prefix_attention``) or, for small trees, FlashInfer's tensor-core
-   decode with the tree folded into the GQA group (``folded_decode``);
+   FA3's paged kernel on Hopper (``fa3_prefix``), elsewhere the Triton split-KV kernel
+   (``prefix_attention``) or, for small trees, FlashInfer's tensor-core decode with the tree
+   folded into the GQA group (``folded_decode``);
 2. the tree part, ``T`` queries over ``T`` keys with the ancestor mask (``tree_attention``);
 3. an exact log-sum-exp merge in base 2 (``merge``).
 
@@ -29,12 +30,13 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .. import env
+from .fa3_prefix import Fa3Prefix, fa3_supported
 from .folded_decode import FoldedPrefixDecode, fold_supported, workspace_bytes
 from .merge import folded_strides, merge_split_states, merge_two_states_strided, token_head_strides
 from .prefix_attention import PrefixKernelConfig, prefix_attention_partials, prefix_kernel_config
 from .tree_attention import tree_attention
 
-PREFIX_BACKENDS = ("auto", "triton", "flashinfer_fold")
+PREFIX_BACKENDS = ("auto", "fa3", "triton", "flashinfer_fold")
 
 # "auto" folds trees up to this size into FlashInfer's decode (when it fits); larger ones use Triton.
 DEFAULT_FOLD_MAX_TREE = int(env.get("FOLD_MAX_TREE", "32"))
@@ -48,13 +50,14 @@ class HybridTreeAttention:
     Args:
         num_qo_heads, num_kv_heads, head_dim: attention shape (``num_qo_heads % num_kv_heads == 0``).
         device: where the kernels run.
-        prefix_backend: ``"triton"``, ``"flashinfer_fold"`` or ``"auto"`` (fold when FlashInfer
-            can serve the shape, the tree has at most ``fold_max_tree_size`` tokens and the
-            scratch space fits ``fold_workspace_mb``; Triton otherwise). Env default:
-            ``SGLANG_LONGGEN_PREFIX_BACKEND``.
+        prefix_backend: ``"fa3"``, ``"triton"``, ``"flashinfer_fold"`` or ``"auto"`` (FA3 where
+            it serves the shape, on Hopper; else fold when FlashInfer can serve the shape, the
+            tree has at most ``fold_max_tree_size`` tokens and the scratch space fits
+            ``fold_workspace_mb``; Triton otherwise). Env default: ``SGLANG_LONGGEN_PREFIX_BACKEND``.
         use_cuda_graph: keep every launch shape independent of the prefix lengths; the folded
             path then needs ``graph_kv_indptr_buf``/``graph_kv_indices_buf``, the device buffers
-            that ``plan`` will receive on every replay.
+            that ``plan`` will receive on every replay, and the FA3 path ``graph_page_table_buf``
+            (``[>= bs, max prefix]`` int32) and ``graph_seq_lens_buf`` (``[>= bs]`` int32).
         fold_workspace: a fixed uint8 scratch buffer for the folded path (shared between
             CUDA-graph batch sizes); the path is used only when the plan fits in it.
     """
@@ -73,6 +76,8 @@ class HybridTreeAttention:
         graph_kv_indptr_buf: Optional[torch.Tensor] = None,
         graph_kv_indices_buf: Optional[torch.Tensor] = None,
         fold_workspace: Optional[torch.Tensor] = None,
+        graph_page_table_buf: Optional[torch.Tensor] = None,
+        graph_seq_lens_buf: Optional[torch.Tensor] = None,
     ) -> None:
         if num_qo_heads % num_kv_heads:
             raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
@@ -91,8 +96,10 @@ class HybridTreeAttention:
         self._graph_bufs = (graph_kv_indptr_buf, graph_kv_indices_buf)
         self._fold_workspace = fold_workspace
         self._folded: Optional[FoldedPrefixDecode] = None
+        self._fa3: Optional[Fa3Prefix] = None
+        self._fa3_bufs = (graph_page_table_buf, graph_seq_lens_buf)
         self._planned = False
-        self.path: Optional[str] = None  # "triton" or "flashinfer_fold" after plan()
+        self.path: Optional[str] = None  # "fa3", "triton" or "flashinfer_fold" after plan()
         self.prefix_config: Optional[PrefixKernelConfig] = None
 
     # ------------------------------------------------------------------ plan
@@ -107,6 +114,7 @@ class HybridTreeAttention:
         kv_dtype: Optional[torch.dtype] = None,
         prefix_lens_host: Optional[Sequence[int]] = None,
         prefix_config: Optional[PrefixKernelConfig] = None,
+        max_prefix_len: Optional[int] = None,
     ) -> str:
         """Fix the metadata of one verification step (shared by all layers).
 
@@ -118,8 +126,11 @@ class HybridTreeAttention:
                 split count adapt to the longest prefix and rules out the folded path for empty
                 prefixes. Leave ``None`` under CUDA graphs.
             prefix_config: explicit Triton launch shape (benchmarks, tuning).
+            max_prefix_len: a bound of the prefix lengths known on the host, also under CUDA
+                graphs (no launch shape depends on it): the FA3 path refills its page table
+                only that far.
 
-        Returns the chosen prefix path, ``"triton"`` or ``"flashinfer_fold"``.
+        Returns the chosen prefix path, ``"fa3"``, ``"triton"`` or ``"flashinfer_fold"``.
         """
         if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
             raise ValueError(f"tree_mask must be [bs, T, T], got {tuple(tree_mask.shape)}")
@@ -136,7 +147,11 @@ class HybridTreeAttention:
         self.kv_indices = kv_indices
         self.tree_mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
         self.path = self._choose_path(batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host)
-        if self.path == "flashinfer_fold":
+        if self.path == "fa3":
+            if max_prefix_len is None and prefix_lens_host:
+                max_prefix_len = max(prefix_lens_host)
+            self._fa3_prefix().plan(kv_indptr, kv_indices, tree_size, max_prefix_len=max_prefix_len)
+        elif self.path == "flashinfer_fold":
             self._fold().plan(kv_indptr, kv_indices, tree_size, sm_scale=self.sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype)
         else:
             max_len = max(prefix_lens_host) if prefix_lens_host and not self.use_cuda_graph else None
@@ -149,6 +164,18 @@ class HybridTreeAttention:
     def _choose_path(self, batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host) -> str:
         if self.prefix_backend == "triton":
             return "triton"
+        can_fa3 = fa3_supported(self.head_dim, q_dtype, kv_dtype, self.device) and (
+            not self.use_cuda_graph or self._fa3_bufs[0] is not None
+        )
+        if self.prefix_backend == "fa3":
+            if not can_fa3:
+                raise ValueError(
+                    f"the FA3 prefix path cannot serve D={self.head_dim}, {q_dtype}/{kv_dtype} on {self.device}"
+                    + (" (no page-table buffer for CUDA graphs)" if self.use_cuda_graph else "")
+                )
+            return "fa3"
+        if self.prefix_backend == "auto" and can_fa3:
+            return "fa3"
         can_fold = fold_supported(
             self.num_qo_heads, self.num_kv_heads, self.head_dim, tree_size, q_dtype, kv_dtype, self.device
         )
@@ -169,6 +196,13 @@ class HybridTreeAttention:
         need = workspace_bytes(batch_size, self.num_qo_heads, self.num_kv_heads, self.head_dim, tree_size, num_sms)
         limit = self.fold_workspace_bytes if self._fold_workspace is None else self._fold_workspace.numel()
         return "flashinfer_fold" if need <= limit else "triton"
+
+    def _fa3_prefix(self) -> Fa3Prefix:
+        if self._fa3 is None:
+            table, lens = self._fa3_bufs
+            self._fa3 = Fa3Prefix(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.device,
+                                  page_table_buf=table, seq_lens_buf=lens)
+        return self._fa3
 
     def _fold(self) -> FoldedPrefixDecode:
         if self._folded is None:
@@ -201,8 +235,8 @@ class HybridTreeAttention:
         """Attention output ``[bs*T, Hq, D]`` (``q``'s dtype unless ``out`` is given).
 
         ``lse`` (fp32 ``[bs*T, Hq]``), when given, receives the base-2 LSE of the whole row.
-        ``sm_scale`` overrides the planned scale on the Triton path (per-layer scales); the
-        folded path bakes the scale into FlashInfer's plan, so there it must match.
+        ``sm_scale`` overrides the planned scale on the Triton and FA3 paths (per-layer
+        scales); the folded path bakes the scale into FlashInfer's plan, so there it must match.
         """
         if not self._planned:
             raise RuntimeError("plan() must be called before run()")
@@ -217,6 +251,8 @@ class HybridTreeAttention:
             if abs(sm_scale - self.sm_scale) > 1e-12 * max(1.0, abs(sm_scale)):
                 raise ValueError("the folded path was planned with a different sm_scale")
             return self._run_folded(q, k_buffer, v_buffer, k_tree, v_tree, out, lse)
+        if self.path == "fa3":
+            return self._run_fa3(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
         return self._run_triton(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
 
     def _run_triton(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
@@ -236,6 +272,19 @@ class HybridTreeAttention:
             out=part_o[:, :, cfg.num_splits], lse=part_lse[:, :, cfg.num_splits],
         )
         merge_split_states(part_o, part_lse, out=out, out_lse=lse)
+        return out
+
+    def _run_fa3(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
+        o_prefix, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale)  # lse [bs, Hq, T], base 2
+        o_tree = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        o_tree, lse_tree = tree_attention(q, k_tree, v_tree, self.tree_mask, sm_scale, out=o_tree)
+        T, G = self.tree_size, self.group
+        s_req, s_head, s_t = lse_prefix.stride()
+        merge_two_states_strided(
+            o_prefix, lse_prefix, (token_head_strides(o_prefix, T, G), (s_req, s_t, G * s_head, s_head)),
+            o_tree, lse_tree, (token_head_strides(o_tree, T, G), token_head_strides(lse_tree, T, G)),
+            out, lse, T, G,
+        )
         return out
 
     def _run_folded(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse):

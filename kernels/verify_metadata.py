@@ -129,3 +129,30 @@ def prefix_kv_indices(
         rows = req_pool_indices.to(torch.int64)[req]
         kv_indices[:total] = req_to_token[rows, offset].to(torch.int32)
     return kv_indptr[: bs + 1], kv_indices
+
+
+def page_table_from_indices(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    out: torch.Tensor,
+    seq_lens_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The prefixes as a dense page table (page size 1) and their lengths, for FA3's paged kernel.
+
+    ``out [bs, W]`` receives ``kv_indices[kv_indptr[b] + j]`` at ``[b, j]`` for ``j <
+    len_b``; the entries past a prefix hold a valid slot (the gather is clamped) that the kernel
+    never reads, since it stops at the row's length. ``W`` must cover the longest prefix (a wide
+    persistent buffer may be passed as a column slice). Sync free, so a CUDA-graph replay's plan
+    can fill persistent buffers with it.
+    """
+    bs, width = out.shape
+    lens = kv_indptr[1 : bs + 1] - kv_indptr[:bs]
+    if seq_lens_out is None:
+        seq_lens_out = torch.empty(bs, dtype=torch.int32, device=out.device)
+    seq_lens_out[:bs].copy_(lens)
+    if kv_indices.numel() == 0:
+        out.zero_()
+        return out, seq_lens_out[:bs]
+    pos = kv_indptr[:bs, None].to(torch.int64) + torch.arange(width, device=out.device)[None, :]
+    out.copy_(kv_indices[pos.clamp_(max=kv_indices.numel() - 1)])
+    return out, seq_lens_out[:bs]

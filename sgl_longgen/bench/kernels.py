@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..kernels.fa3_prefix import Fa3Prefix, fa3_supported
 from ..kernels.folded_decode import fold_supported
 from ..kernels.hybrid import HybridTreeAttention
 from ..kernels.prefix_attention import PrefixKernelConfig, prefix_kernel_config
@@ -137,6 +138,12 @@ def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> No
             backends = ["triton"]
             if fold_supported(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, T, DTYPE, DTYPE, torch.device(device)):
                 backends.append("flashinfer_fold")
+            if fa3_supported(HEAD_DIM, DTYPE, DTYPE, torch.device(device)):
+                backends.append("fa3")
+                # FA3's own decode step (SGLang's default on Hopper), next to FlashInfer's.
+                fa3_ar = Fa3Prefix(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, device)
+                fa3_ar.plan(_i32([0, ctx], device), torch.arange(ctx, dtype=torch.int32, device=device), 1)
+                row["fa3_decode_us"] = time_us(lambda: fa3_ar.run(q1, k_pool, v_pool, HEAD_DIM**-0.5))
             for backend in backends:
                 hyb = Hybrid(ctx, tree, device, backend)
                 err = (hyb(q, k_pool, v_pool).float() - ref).abs().max().item()
@@ -192,9 +199,12 @@ def print_attention_row(r, flush=False) -> None:
     ar = r["ar_us"]
     fold = (f"{r['flashinfer_fold_us']:7.1f} ({r['flashinfer_fold_us'] / ar:4.2f}x) err {r['flashinfer_fold_err']:.1e}"
             if "flashinfer_fold_us" in r else f"{'n/a':>27}")
+    fa3 = (f" | FA3 decode {r['fa3_decode_us']:6.1f} us, fa3 {r['fa3_us']:7.1f} ({r['fa3_us'] / r['fa3_decode_us']:4.2f}x"
+           f" FA3 decode) err {r['fa3_err']:.1e}" if "fa3_us" in r else "")
     print(
         f"ctx {r['ctx']:6d} T {r['T']:3d} | AR {ar:6.1f} us | SGLang {r['sglang_us']:7.1f} ({r['sglang_us'] / ar:4.2f}x) | "
-        f"triton {r['triton_us']:7.1f} ({r['triton_us'] / ar:4.2f}x) err {r['triton_err']:.1e} | fold {fold} | auto={r['auto_path']}",
+        f"triton {r['triton_us']:7.1f} ({r['triton_us'] / ar:4.2f}x) err {r['triton_err']:.1e} | fold {fold}{fa3}"
+        f" | auto={r['auto_path']}",
         flush=flush,
     )
 
@@ -285,10 +295,14 @@ def step_table(contexts, trees, device, num_layers, rows: List[Dict]) -> None:
             t_hy, m_hy = time_step_ms(model, T, ctx, hyb, device)
             row = dict(table="step", ctx=ctx, T=T, ar_ms=t_ar, sglang_ms=t_sg, hybrid_ms=t_hy,
                        hybrid_path=hyb.path, timing=f"{m_ar}/{m_sg}/{m_hy}", layers=num_layers)
+            other = ""
+            if hyb.path != "triton":  # the portable path, for comparison
+                row["hybrid_triton_ms"], _ = time_step_ms(model, T, ctx, Hybrid(ctx, tree, device, "triton"), device)
+                other = f" | triton prefix {row['hybrid_triton_ms']:6.2f} ms ({row['hybrid_triton_ms'] / t_ar:4.2f}x)"
             rows.append(row)
             print(
                 f"ctx {ctx:6d} T {T:3d} | AR step {t_ar:6.2f} ms | SGLang verify {t_sg:6.2f} ms ({t_sg / t_ar:4.2f}x) | "
-                f"hybrid verify {t_hy:6.2f} ms ({t_hy / t_ar:4.2f}x, {hyb.path}) | {row['timing']}",
+                f"hybrid verify {t_hy:6.2f} ms ({t_hy / t_ar:4.2f}x, {hyb.path}){other} | {row['timing']}",
                 flush=True,
             )
     del model

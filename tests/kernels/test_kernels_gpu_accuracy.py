@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernel_cases import make_batch, max_err, nan_like
+from sgl_longgen.kernels.fa3_prefix import fa3_supported
 from sgl_longgen.kernels.folded_decode import flashinfer_available, fold_supported
 from sgl_longgen.kernels.hybrid import HybridTreeAttention
 from sgl_longgen.kernels.merge import merge_states
@@ -23,14 +24,16 @@ HQ, HKV, D = 32, 8, 128
 
 
 @pytest.mark.parametrize("tree_size", [1, 16, 64, 121])
-@pytest.mark.parametrize("prefix_backend", ["triton", "flashinfer_fold"])
+@pytest.mark.parametrize("prefix_backend", ["triton", "flashinfer_fold", "fa3"])
 def test_bf16_matches_fp32_reference(tree_size, prefix_backend):
+    if prefix_backend == "fa3" and not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("FA3 needs a Hopper GPU and sgl_kernel's flash_ops")
     if prefix_backend == "flashinfer_fold" and not (
         flashinfer_available() and fold_supported(HQ, HKV, D, tree_size, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
     ):
         pytest.skip("the folded path does not serve this tree size")
     lens = [32768, 4095] if prefix_backend == "triton" else [32768, 1]
-    if prefix_backend == "triton" and tree_size == 16:
+    if prefix_backend in ("triton", "fa3") and tree_size == 16:
         lens = [0, 1, 4095]
     batch = make_batch(lens, tree_size, HQ, HKV, D, torch.bfloat16, seed=tree_size)
     batch.sm_scale = D**-0.5  # the models' scale
@@ -73,3 +76,42 @@ def test_lse_base_matches_flashinfer():
     theirs, theirs_lse = merge_state(o, lse, other_o, other_lse)
     assert max_err(ours, theirs) <= ACCEPT
     assert max_err(ours_lse, theirs_lse) <= 1e-3
+
+
+@pytest.mark.skipif(not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
+                    if torch.cuda.is_available() else True, reason="needs FA3 (Hopper)")
+@pytest.mark.parametrize("group", [4, 7])
+def test_fa3_path_replays_in_a_cuda_graph_with_new_prefixes(group):
+    """Captured once, replayed after a re-plan with other prefixes (the engine's verify graphs):
+    the page table and lengths are persistent buffers, refilled outside the graph."""
+    hq, hkv, T, max_bs, width = 4 * group, 4, 64, 2, 40000
+    table = torch.zeros(max_bs, width, dtype=torch.int32, device="cuda")
+    lens_buf = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+    first = make_batch([30000, 20], T, hq, hkv, D, torch.bfloat16, seed=7, spare_slots=64 + 39017 - 30020)
+    second = make_batch([17, 39000], T, hq, hkv, D, torch.bfloat16, seed=8, spare_slots=64)
+    assert second.k_buffer.shape == first.k_buffer.shape
+    attn = HybridTreeAttention(hq, hkv, D, "cuda", prefix_backend="fa3", use_cuda_graph=True,
+                               graph_page_table_buf=table, graph_seq_lens_buf=lens_buf)
+    q, k_buf, v_buf = first.q.clone(), first.k_buffer.clone(), first.v_buffer.clone()
+    k_tree, v_tree, mask = first.k_tree.clone(), first.v_tree.clone(), first.tree_mask.clone()
+    out = torch.empty_like(q)
+    indptr, indices = first.kv_indptr.clone(), torch.zeros(40000, dtype=torch.int32, device="cuda")
+    indices[: first.kv_indices.numel()] = first.kv_indices
+    assert attn.plan(indptr, indices, mask, sm_scale=first.sm_scale, q_dtype=torch.bfloat16) == "fa3"
+    attn.run(q, k_buf, v_buf, k_tree, v_tree, out=out)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k_buf, v_buf, k_tree, v_tree, out=out)
+    for batch in (first, second):
+        for dst, src in ((q, batch.q), (k_buf, batch.k_buffer), (v_buf, batch.v_buffer), (k_tree, batch.k_tree),
+                         (v_tree, batch.v_tree), (mask, batch.tree_mask), (indptr, batch.kv_indptr)):
+            dst.copy_(src)
+        indices[: batch.kv_indices.numel()] = batch.kv_indices
+        attn.plan(indptr, indices, mask, sm_scale=batch.sm_scale, q_dtype=torch.bfloat16,
+                  max_prefix_len=max(batch.prefix_lens))
+        out.fill_(float("nan"))
+        graph.replay()
+        err = max_err(out, batch.reference()[0])
+        print(f"FA3 graph replay G={group} prefixes={batch.prefix_lens}: max|o - ref| = {err:.3e}")
+        assert err <= ACCEPT

@@ -48,6 +48,8 @@ def make_backend(max_bs=4, num_slots=9000, context=1024, seed=0):
     be._eager_attn = None
     be._graph_max_bs, be._graph_attn = max_bs, {}
     be._graph_kv_indptr = be._graph_tree_mask = be._graph_fold_workspace = None
+    be._graph_page_table = be._graph_seq_lens = None
+    be._max_context = context
     be.kv_cache_quant_method = SimpleNamespace(needs_global_scale=lambda: True)
     # every request row holds distinct random slots; slot 0 is the padding slot, as in SGLang
     perm = 1 + torch.randperm(num_slots - 1, generator=g)[: 8 * context].to(torch.int32)

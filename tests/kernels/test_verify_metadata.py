@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from sgl_longgen.kernels.reference import random_tree_mask
-from sgl_longgen.kernels.verify_metadata import custom_mask_layout, prefix_kv_indices, tree_mask_from_custom_mask
+from sgl_longgen.kernels.verify_metadata import (
+    custom_mask_layout,
+    page_table_from_indices,
+    prefix_kv_indices,
+    tree_mask_from_custom_mask,
+)
 
 
 def sglang_full_mask(seq_lens, trees):
@@ -60,3 +65,23 @@ def test_prefix_kv_indices():
     assert indptr.tolist() == [0, 5, 5, 16]
     expect = torch.cat([req_to_token[3, :5], req_to_token[4, :11]])
     assert torch.equal(indices, expect)
+
+
+def test_page_table_holds_each_prefix_row_by_row():
+    """FA3's page table (page size 1) from the hybrid's flat prefix slots, into a wider buffer."""
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 0, 9]
+    kv_indptr = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    kv_indices = torch.randperm(40, generator=g)[:14].to(torch.int32)
+    buf = torch.full((4, 16), -1, dtype=torch.int32)
+    seq = torch.full((4,), -1, dtype=torch.int32)
+    table, got_lens = page_table_from_indices(kv_indptr, kv_indices, buf[:3, :9], seq)
+    assert got_lens.tolist() == lens and seq[3] == -1
+    for b, n in enumerate(lens):
+        assert table[b, :n].tolist() == kv_indices[kv_indptr[b] : kv_indptr[b] + n].tolist()
+        # Past the prefix: slots that exist (the kernel never reads them, but they must be valid).
+        assert set(table[b, n:].tolist()) <= set(kv_indices.tolist())
+    assert (buf[:, 9:] == -1).all() and (buf[3] == -1).all()  # nothing outside the slice written
+    empty, empty_lens = page_table_from_indices(torch.zeros(2, dtype=torch.int32),
+                                                torch.empty(0, dtype=torch.int32), torch.ones(1, 4, dtype=torch.int32))
+    assert empty_lens.tolist() == [0] and (empty == 0).all()

@@ -39,6 +39,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from ... import env
 from ...kernels.folded_decode import fold_supported, workspace_bytes
+from ...kernels.fa3_prefix import fa3_supported
 from ...kernels.hybrid import DEFAULT_FOLD_MAX_TREE, DEFAULT_FOLD_WORKSPACE_MB, HybridTreeAttention
 from ...kernels.verify_metadata import copy_tree_blocks, custom_mask_layout, prefix_kv_indices, tree_mask_from_custom_mask
 
@@ -108,6 +109,9 @@ class LongGenAttnBackend(FlashInferAttnBackend):
         self._graph_kv_indptr: Optional[torch.Tensor] = None
         self._graph_tree_mask: Optional[torch.Tensor] = None
         self._graph_fold_workspace: Optional[torch.Tensor] = None
+        self._graph_page_table: Optional[torch.Tensor] = None  # FA3 prefix path
+        self._graph_seq_lens: Optional[torch.Tensor] = None
+        self._max_context = model_runner.model_config.context_len
 
     # ----------------------------------------------------------- dispatch
     def reads_tree_blocks(self) -> bool:
@@ -209,6 +213,11 @@ class LongGenAttnBackend(FlashInferAttnBackend):
         # One scratch space for the folded FlashInfer path, shared by every captured batch size
         # (graphs replay one at a time), sized for the largest batch within the budget.
         prefix_backend = env.get("PREFIX_BACKEND", "auto")
+        if prefix_backend in ("auto", "fa3") and fa3_supported(self._head_dim, self._dtype, self._dtype, self._device):
+            # As SGLang's own FA3 backend: one page-table row per request, as wide as the context.
+            self._graph_page_table = torch.zeros(max_bs, self._max_context, dtype=torch.int32, device=self._device)
+            self._graph_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=self._device)
+            return
         if prefix_backend != "triton" and fold_supported(
             self._num_qo_heads, self._num_kv_heads, self._head_dim, tree_size, self._dtype, self._dtype, self._device
         ) and (prefix_backend == "flashinfer_fold" or tree_size <= DEFAULT_FOLD_MAX_TREE):
@@ -245,11 +254,16 @@ class LongGenAttnBackend(FlashInferAttnBackend):
                 graph_kv_indptr_buf=kv_indptr,
                 graph_kv_indices_buf=kv_indices,
                 fold_workspace=self._graph_fold_workspace,
+                graph_page_table_buf=self._graph_page_table,
+                graph_seq_lens_buf=self._graph_seq_lens,
             )
             self._graph_attn[bs] = attn
         total = forward_batch.seq_lens_sum
         planned_indices = kv_indices[:total] if total is not None else kv_indices
-        attn.plan(kv_indptr, planned_indices, tree_mask, q_dtype=self._dtype, kv_dtype=self._dtype)
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        max_len = int(seq_lens_cpu[:bs].max()) if seq_lens_cpu is not None and not in_capture else None
+        attn.plan(kv_indptr, planned_indices, tree_mask, q_dtype=self._dtype, kv_dtype=self._dtype,
+                  max_prefix_len=max_len)
         self.forward_metadata = HybridVerifyMetadata(attn)
 
     # ------------------------------------------------------------- forward
