@@ -37,6 +37,23 @@ def test_matches_one_pass_reference(prefix_lens, tree_size, group, dtype):
         assert max_err(out, wrong_o) > 10 * TOL[dtype]
 
 
+@pytest.mark.parametrize("prefix_lens,tree_size,num_q_heads,num_kv_heads,head_dim", [
+    ([37, 0, 5, 300, 1, 64, 2, 9], 16, 28, 4, 64),  # Qwen2.5-7B's heads (group 7), batch 8, head_dim 64
+    ([300], 64, 28, 4, 128),  # group 7 at head_dim 128
+    ([257, 3], 16, 16, 2, 128),  # group 8
+])
+def test_the_shapes_users_run(prefix_lens, tree_size, num_q_heads, num_kv_heads, head_dim):
+    """GQA groups 4/7/8 (Llama-3.1-8B, Qwen2.5-7B, others), head_dim 64 and 128, batches up to 8."""
+    dtype = torch.bfloat16
+    batch = make_batch(prefix_lens, tree_size, num_q_heads, num_kv_heads, head_dim, dtype, seed=num_q_heads + head_dim)
+    attn = HybridTreeAttention(num_q_heads, num_kv_heads, head_dim, DEVICE, prefix_backend="triton")
+    attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
+              q_dtype=dtype, prefix_lens_host=prefix_lens)
+    out = nan_like(batch.q, torch.float32)
+    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out)
+    assert max_err(out, batch.reference()[0]) <= TOL[dtype] / 2
+
+
 def test_output_in_input_dtype():
     batch = make_batch([1000, 3], 8, 8, 2, 16, torch.bfloat16, seed=1)
     o, lse = hybrid_tree_attention(batch.q, batch.k_buffer, batch.v_buffer, batch.kv_indptr, batch.kv_indices,
