@@ -6,7 +6,7 @@ our variables carry the prefix SGLang itself keeps. A variable still set under t
 
 ======================  ================================================================
 ``HOME``                where embedded models are built (default ``~/.cache/sgl-longgen``)
-``PREFIX_BACKEND``      hybrid verify's prefix path: ``auto``, ``triton``, ``flashinfer_fold``
+``PREFIX_BACKEND``      hybrid verify's prefix path: ``auto``, ``fa3``, ``triton``, ``flashinfer_fold``
 ``FOLD_MAX_TREE``       trees up to this size fold into FlashInfer's decode (default 32)
 ``FOLD_WORKSPACE_MB``   scratch space the folded path may take (default 1024)
 ``VERIFY_CHECK``        ``1``: compare every hybrid verify layer with FlashInfer's (eager)

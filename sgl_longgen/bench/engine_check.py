@@ -85,7 +85,7 @@ def run_engine(model_dir, draft_tokens, cuda_graph, max_new_tokens):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draft-tokens", type=int, default=8)
-    parser.add_argument("--prefix-backend", default="auto", choices=("auto", "triton", "flashinfer_fold"))
+    parser.add_argument("--prefix-backend", default="auto", choices=("auto", "fa3", "triton", "flashinfer_fold"))
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--skip-graph", action="store_true", help="only the eager, FlashInfer-checked run")
     args = parser.parse_args(argv)

@@ -77,7 +77,7 @@ class OptimConfig(Strict):
 
 
 class HeadsOptimConfig(OptimConfig):
-    """TokenSwift's recipe (tokenswift.md §1.3): AdamW (0.9, 0.999), wd 0.1, 50 warmup steps, lr 5e-3."""
+    """TokenSwift's recipe (the paper's): AdamW (0.9, 0.999), wd 0.1, 50 warmup steps, lr 5e-3."""
 
     lr: PosFloat = 5e-3
     warmup_steps: NonNegInt = 50

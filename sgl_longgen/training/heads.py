@@ -1,4 +1,4 @@
-"""Train TokenSwift's draft heads against a frozen base model (tokenswift.md §1.3).
+"""Train TokenSwift's draft heads against a frozen base model (the TokenSwift paper's recipe).
 
 The base model (embeddings, decoder, final norm, LM head) never changes; its pre-final-norm hidden
 states h0 come from one causal forward without gradients. Head i (1-based) reads the chain

@@ -1,4 +1,4 @@
-"""Train OWL's LSTM drafter and the [SPEC] embedding on a frozen target (owl.md §2.5 and §6).
+"""Train OWL's LSTM drafter and the [SPEC] embedding on a frozen target (the OWL paper's recipe).
 
 Data is self-distilled, as in the reference recipe: prompts are non-overlapping ``prompt_len``-token
 chunks cut from the tokenized data files; the target continues each with ``seq_len`` tokens

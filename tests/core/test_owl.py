@@ -46,7 +46,7 @@ def drafter(spec: bool = True, seed: int = 0, n_steps: int = 4, draft_vocab: int
 
 
 def test_alpha_follows_the_reference_code_formula():
-    # owl.md §1.3: n=8, d=12288 -> ~23.58; Arctic's n=3, d=4096 -> ~23.07
+    # the OWL paper: n=8, d=12288 -> ~23.58; Arctic's n=3, d=4096 -> ~23.07
     assert embedding_scale(8, 12288) == pytest.approx(23.58, abs=0.01)
     assert embedding_scale(3, 4096) == pytest.approx(23.07, abs=0.01)
     a0 = 0.5 ** (0.5 / 5)
