@@ -142,7 +142,8 @@ class SuffixConfig(Strict):
     Indexed: the request's prompt and output (and, with ``global_requests > 0``, the outputs of
     the last ``global_requests`` finished requests; eviction is lazy, so up to twice that many
     may be matched between rebuilds). A match of length p (p < ``max_depth``) may draft up to
-    ``min(max_spec_tokens, floor(max_spec_factor * p + max_spec_offset), max_depth - p)`` tokens;
+    ``min(max_spec_tokens, floor(max_spec_factor * p + max_spec_offset))`` tokens (read from the
+    history, so ``max_depth`` bounds only the match);
     drafting stops when the estimated probability of the path falls below ``min_token_prob``. The
     score (sum of those probabilities) estimates the number of accepted tokens.
     """
@@ -163,6 +164,38 @@ class HowlConfig(Strict):
     """
 
     threshold: Annotated[float, Meta(ge=0.0)] = 9.0
+
+
+class AdaptiveConfig(Strict):
+    """Adaptive speculation: per request, a plain decode step whenever speculating does not pay.
+
+    Each step compares expected tokens per second: the decayed mean of tokens committed per
+    speculative step over its measured cost, against one token over a plain step's cost (see
+    :mod:`sgl_longgen.core.adaptive`). Lossless: every step, of either kind, commits tokens drawn
+    from the target distribution, and the choice depends only on past steps. ``decay``: weight kept
+    per step by the acceptance mean (and per sample by the cost averages). ``warmup``: speculative
+    steps before the first decision. While plain steps win, a speculative probe once the plain steps
+    since the last speculative one took ``probe_every`` times a speculative step's cost (probing
+    costs at most ``1 / (probe_every + 1)`` of the time), that interval multiplied by
+    ``probe_growth`` (up to ``probe_max``) after each probe that does not pay. ``refresh_every``:
+    while speculating, one plain step in that many re-measures the plain cost (0: never). The mix
+    of steps follows measured times, so a sampled run's seed no longer pins its output (greedy
+    output is always plain decoding's), which is why it is off by default: runs, resumed batch jobs
+    included, stay reproducible unless it is asked for. The reference runtime only for now; the
+    SGLang workers ignore it.
+    """
+
+    enabled: bool = False
+    decay: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.9
+    warmup: PosInt = 1
+    probe_every: PosInt = 8
+    probe_growth: Annotated[float, Meta(ge=1.0, le=16.0)] = 4.0
+    probe_max: PosInt = 256
+    refresh_every: NonNegInt = 64
+
+    def __post_init__(self) -> None:
+        if self.probe_max < self.probe_every:
+            raise ValueError(f"probe_max ({self.probe_max}) must be at least probe_every ({self.probe_every})")
 
 
 class RuntimeConfig(Strict):
@@ -187,6 +220,7 @@ class GenerateConfig(Strict):
     owl: OwlConfig = msgspec.field(default_factory=OwlConfig)
     suffix: SuffixConfig = msgspec.field(default_factory=SuffixConfig)
     howl: HowlConfig = msgspec.field(default_factory=HowlConfig)
+    adaptive: AdaptiveConfig = msgspec.field(default_factory=AdaptiveConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
 
 

@@ -37,7 +37,7 @@ def generate(tmp_path: Path, method: str, *extra: str, n: int = 2048) -> dict:
 )
 def test_generate_tokenswift_is_token_identical_to_ar(tmp_path, extra):
     ar = generate(tmp_path, "ar", *extra)
-    ts = generate(tmp_path, "tokenswift", *extra)
+    ts = generate(tmp_path, "tokenswift", "--no-adaptive", *extra)  # every step speculates
     assert ar["num_new_tokens"] == ts["num_new_tokens"] == 2048 or ar["finish_reason"] == "stop"
     assert ts["output_ids"] == ar["output_ids"]
     for key in ("output_ids", "text", "num_new_tokens", "accept_length", "decode_seconds"):
@@ -111,6 +111,33 @@ def test_config_file_is_applied_and_flags_override_it(tmp_path):
     res = cli("generate", "--model", "tiny-random", "--config", str(cfg), "--method", "ar", "--max-new-tokens", "3",
               "--out", str(out))
     assert json.loads(out.read_text())["num_new_tokens"] == 3
+
+
+def test_adaptive_speculation_from_the_config_file_and_the_flag(tmp_path):
+    """``[adaptive]`` in the TOML, ``--adaptive/--no-adaptive`` over it; the record counts plain steps."""
+    from sgl_longgen.cli import build_parser
+    from sgl_longgen.commands.generate import resolve_config
+    from sgl_longgen.runtime import resolve_model
+
+    cfg = tmp_path / "a.toml"
+    cfg.write_text("[adaptive]\nenabled = true\nprobe_every = 4\n")
+    parser = build_parser()
+    model_dir = resolve_model("tiny-random")
+    base = ["generate", "--model", "tiny-random", "--config", str(cfg)]
+    for flags, enabled in (([], True), (["--adaptive"], True), (["--no-adaptive"], False)):
+        config, _ = resolve_config(parser.parse_args(base + flags), model_dir)
+        assert config.adaptive.enabled is enabled and config.adaptive.probe_every == 4
+    config, _ = resolve_config(parser.parse_args(["generate", "--model", "tiny-random"]), model_dir)
+    assert not config.adaptive.enabled  # off by default
+    cfg.write_text("[adaptive]\nprobe_evry = 4\n")
+    line = one_error_line(cli("generate", "--model", "tiny-random", "--config", str(cfg), "--max-new-tokens", "4"))
+    assert "probe_evry" in line
+    out = tmp_path / "o.jsonl"
+    res = cli("generate", "--model", "tiny-random", "--method", "tokenswift", "--adaptive", "--max-new-tokens", "40",
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    stats = json.loads(out.read_text())["stats"]
+    assert 0 < stats["plain_steps"] < stats["steps"]  # the warm-up speculated, then a plain step measured
 
 
 def test_jsonl_prompt_file_gives_one_record_per_prompt(tmp_path):

@@ -41,6 +41,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("tokenswift")
     t.add_argument("--budget", type=int, help="partial KV budget B (tokens)")
     t.add_argument("--sinks", type=int, help="partial KV sink tokens S")
+    a = p.add_argument_group("adaptive speculation")
+    a.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="take a plain decode step whenever speculating is not expected to pay "
+                        "(lossless; default: off, [adaptive] enabled)")
 
 
 def add_parser(sub) -> None:
@@ -73,6 +77,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         ("sampling", "penalty_window"): args.penalty_window,
         ("tokenswift", "partial_kv", "budget"): args.budget,
         ("tokenswift", "partial_kv", "sinks"): args.sinks,
+        ("adaptive", "enabled"): getattr(args, "adaptive", None),
         ("runtime", "dtype"): getattr(args, "dtype", None),
     }
     out: dict[str, Any] = {}

@@ -3,6 +3,11 @@
 A method only says how one step turns the root token (the last sampled one, not yet in the KV
 cache) into committed tokens; prefill, stopping, accounting and failure handling live here, so
 methods cannot differ in anything but the step.
+
+Adaptive speculation (``[adaptive]``, :mod:`sgl_longgen.core.adaptive`) lives here too: before
+each step of a speculative method the controller picks the method's step or a plain one
+(:meth:`Decoder.plain_step`, the step of ``--method ar``), fed with the measured wall time of
+each. A method keeps its state consistent after a plain step in :meth:`Decoder.after_plain_step`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import GenerateConfig
+from ..core.adaptive import PLAIN, AdaptiveController
 from ..core.penalty import window_tokens
 from ..core.sampling import LogitsProcessor
 from ..errors import LonggenError
@@ -29,6 +35,7 @@ class Stats:
     """Per-run counters; ``steps`` counts target forwards after prefill."""
 
     steps: int = 0
+    plain_steps: int = 0  # steps a speculative method took as plain decode steps (adaptive speculation)
     accepted: int = 0  # accepted draft tokens (bonus excluded)
     drafted: int = 0  # draft depth offered per step, summed (TokenSwift Eq. 4's gamma * T)
     ngram_steps: int = 0  # steps whose accepted path went past the head tree along the history (n-gram, suffix)
@@ -71,6 +78,10 @@ class Decoder(ABC):
 
     # Extra KV slots a step may write past the committed length (the verify tree).
     slack = 1
+    # Whether ``step`` speculates (then adaptive speculation may replace it by a plain step).
+    speculative = True
+    # The kind of draft the last speculative step verified, for the controller's per-source means.
+    step_source: str | None = None
 
     def __init__(self, loaded: LoadedModel, config: GenerateConfig):
         self.loaded = loaded
@@ -88,6 +99,38 @@ class Decoder(ABC):
     @abstractmethod
     def step(self) -> list[int]:
         """Commit the root and return the newly generated tokens (the last one is the new root)."""
+
+    def after_plain_step(self, h: torch.Tensor, token: int) -> None:
+        """After a :meth:`plain_step` of a speculative method (``h``: the root's output row, ``[1, d]``
+        before the final norm; ``token``: the one drawn, the new root, not yet in ``history``):
+        bring the method's state up to the new committed length."""
+
+    def plain_step(self) -> list[int]:
+        """One target forward of the root and one draw: the whole step of plain decoding."""
+        dev = self.model.device
+        root = self.history[-1]
+        t = time.perf_counter()
+        h = self.model(torch.tensor([root], device=dev), torch.tensor([self.length], device=dev),
+                       self.cache, ForwardSpec(start=self.length))
+        tok = int(self.processor.sample(self.model.logits(h), self.penalty_windows([[]]), self.generator)[0])
+        self.stats.verify_seconds += time.perf_counter() - t
+        self.length += 1
+        if self.speculative:
+            self.after_plain_step(h, tok)
+        return [tok]
+
+    def adaptive_step(self, controller: AdaptiveController) -> list[int]:
+        """The step the controller picks, timed and reported back to it."""
+        if controller.decide() == PLAIN:
+            t = time.perf_counter()
+            new = self.plain_step()
+            controller.record_plain(time.perf_counter() - t)
+            self.stats.plain_steps += 1
+        else:
+            t = time.perf_counter()
+            new = self.step()
+            controller.record_spec(len(new), time.perf_counter() - t, self.step_source)
+        return new
 
     # -- shared machinery ----------------------------------------------------------------------
 
@@ -116,6 +159,8 @@ class Decoder(ABC):
         self.check_prompt(prompt_ids, max_new_tokens)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.stats = Stats()
+        adaptive = self.config.adaptive
+        self.controller = AdaptiveController(adaptive) if self.speculative and adaptive.enabled else None
         P = len(prompt_ids)
         eos = set() if self.config.ignore_eos else set(self.loaded.eos_ids)
         self.cache = self.model.new_cache(P + max_new_tokens + self.slack)
@@ -133,7 +178,7 @@ class Decoder(ABC):
             finish = "stop"
         try:
             while finish == "length" and len(self.history) - P < max_new_tokens:
-                new = self.step()
+                new = self.step() if self.controller is None else self.adaptive_step(self.controller)
                 self.stats.steps += 1
                 for i, tok in enumerate(new):
                     if tok in eos:
@@ -181,13 +226,7 @@ class Decoder(ABC):
 class ARDecoder(Decoder):
     """Plain decoding: one target forward and one draw per token. The baseline and the oracle."""
 
+    speculative = False
+
     def step(self) -> list[int]:
-        dev = self.model.device
-        root = self.history[-1]
-        t = time.perf_counter()
-        h = self.model(torch.tensor([root], device=dev), torch.tensor([self.length], device=dev),
-                       self.cache, ForwardSpec(start=self.length))
-        tok = int(self.processor.sample(self.model.logits(h), self.penalty_windows([[]]), self.generator)[0])
-        self.stats.verify_seconds += time.perf_counter() - t
-        self.length += 1
-        return [tok]
+        return self.plain_step()

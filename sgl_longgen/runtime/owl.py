@@ -55,9 +55,12 @@ class OwlDecoder(Decoder):
         return Owl(config.owl, beam, spec_id)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, progress: ProgressFn | None = None) -> GenerationResult:
+        self._plain_tokens = []
         try:
             return super().generate(prompt_ids, max_new_tokens, progress)
         finally:
+            if self._plain_tokens:  # HOWL's index of past outputs gets the whole output
+                self._catch_up()
             self.method.finish(RID)
 
     # -- prefill -------------------------------------------------------------------------------
@@ -84,6 +87,7 @@ class OwlDecoder(Decoder):
 
     def after_prefill(self) -> None:
         self.state = self.method.start(RID, self.history, *self._prefill_states)
+        self._plain_tokens: list[int] = []  # drawn by plain steps since the last speculative one
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -111,14 +115,31 @@ class OwlDecoder(Decoder):
         s.linear_steps += bool(draft.route is not None and draft.route.linear)
         return verdict
 
+    def after_plain_step(self, h: torch.Tensor, token: int) -> None:
+        """Kept for the next speculative step (:meth:`_catch_up`): nothing per plain step."""
+        self._plain_h = h
+        self._plain_tokens.append(token)
+
+    def _catch_up(self) -> None:
+        """After plain steps, as after verifying their roots alone: the next tree is drafted from the
+        last root's state (no [SPEC] state: that round uses the drafter's null vector); HOWL indexes
+        the tokens they drew."""
+        root = self.history[-1 - len(self._plain_tokens)]
+        self.method.observe(self.state, RID, Draft.root_only(root), Verdict(self._plain_tokens, [0]),
+                            self.model.model.norm(self._plain_h[-1]), None)
+        self._plain_tokens = []
+
     def step(self) -> list[int]:
         t = time.perf_counter()
+        if self._plain_tokens:
+            self._catch_up()
         route = self.method.route(self.state, RID, self.history)
         (draft,) = self.method.propose([RID], [self.state], [self.history[-1]], [route])
         t_draft = time.perf_counter()
         verdict = self.verify(draft)
         self.stats.draft_seconds += t_draft - t
         self.stats.verify_seconds += time.perf_counter() - t_draft
+        self.step_source = None if route is None else ("linear" if route.linear else "tree")
         return verdict.tokens
 
 

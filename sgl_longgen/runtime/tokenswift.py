@@ -53,6 +53,11 @@ class TokenSwiftDecoder(Decoder):
     def after_prefill(self) -> None:
         self.state = self.method.start(self.length)
 
+    def after_plain_step(self, h: torch.Tensor, token: int) -> None:
+        """The partial KV's policy follows the committed length; the n-gram pool and the suffix
+        index catch up with the history at the next draft (:meth:`TokenSwift.index`)."""
+        self.method.observe(self.state, self.length)
+
     def draft(self) -> Draft:
         """The root over the partial KV (scoring the committed keys when a selection is due)."""
         dev = self.model.device

@@ -187,7 +187,9 @@ def check_generation(model_dir: Path, tokens: int) -> dict:
     base = load_toml(defaults) if defaults is not None else {}
     results = {}
     for method in ("ar", "tokenswift"):
-        config = load_generate_config(None, merge(base, {"method": method, "runtime": {"dtype": "float32"}}))
+        # Every step speculates: tau and alpha measure the heads, not a mix with plain steps.
+        config = load_generate_config(None, merge(base, {"method": method, "runtime": {"dtype": "float32"},
+                                                         "adaptive": {"enabled": False}}))
         results[method] = build_decoder(loaded, config).generate(prompt, tokens)
     ar, ts = results["ar"], results["tokenswift"]
     return {

@@ -19,8 +19,12 @@ def model(name: str) -> LoadedModel:
 
 
 def config(method: str, **kw) -> GenerateConfig:
-    """Greedy, EOS ignored; ``a__b=v`` sets ``[a] b = v``."""
-    data = {"method": method, "sampling": {"temperature": 0.0}, "ignore_eos": True}
+    """Greedy, EOS ignored, adaptive speculation off; ``a__b=v`` sets ``[a] b = v``.
+
+    Off, because these tests are about the method's own speculative steps (every step speculates,
+    so their acceptance assertions are deterministic); the adaptive tests turn it on.
+    """
+    data = {"method": method, "sampling": {"temperature": 0.0}, "ignore_eos": True, "adaptive": {"enabled": False}}
     for key, value in kw.items():
         node = data
         *parents, leaf = key.split("__")

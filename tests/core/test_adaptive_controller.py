@@ -1,0 +1,132 @@
+"""The adaptive-speculation controller, driven with synthetic costs and acceptances (no clock)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from sgl_longgen.config import AdaptiveConfig, GenerateConfig, load_generate_config
+from sgl_longgen.core.adaptive import PLAIN, SPECULATE, AdaptiveController
+from sgl_longgen.errors import LonggenError
+
+PLAIN_COST = 1.0
+
+
+def run(ctrl: AdaptiveController, steps: int, committed, spec_cost: float) -> list[str]:
+    """``steps`` steps; ``committed(i)`` is what a speculative step at step ``i`` commits."""
+    kinds = []
+    for i in range(steps):
+        kind = ctrl.decide()
+        if kind == SPECULATE:
+            ctrl.record_spec(committed(i), spec_cost)
+        else:
+            ctrl.record_plain(PLAIN_COST)
+        kinds.append(kind)
+    return kinds
+
+
+def test_starts_optimistic_then_measures_a_plain_step():
+    ctrl = AdaptiveController(AdaptiveConfig(warmup=2))
+    assert run(ctrl, 3, lambda i: 1, 2.0) == [SPECULATE, SPECULATE, PLAIN]
+
+
+def test_plain_when_drafts_commit_one_token_at_twice_the_cost():
+    ctrl = AdaptiveController(AdaptiveConfig())
+    kinds = run(ctrl, 1000, lambda i: 1, 2.0)
+    assert kinds[:2] == [SPECULATE, PLAIN]
+    assert kinds.count(PLAIN) > 0.97 * len(kinds)
+    assert 0 < ctrl.probes == kinds.count(SPECULATE) - 1  # every later speculative step was a probe
+
+
+def test_keeps_speculating_when_four_tokens_cost_twice_a_plain_step():
+    cfg = AdaptiveConfig()
+    ctrl = AdaptiveController(cfg)
+    kinds = run(ctrl, 1000, lambda i: 4, 2.0)
+    assert ctrl.probes == 0
+    # Only the plain-cost measurement and its refreshes are plain.
+    assert kinds.count(PLAIN) == 1 + (1000 - 2) // (cfg.refresh_every + 1)
+    no_refresh = AdaptiveController(AdaptiveConfig(refresh_every=0))
+    assert run(no_refresh, 1000, lambda i: 4, 2.0).count(PLAIN) == 1
+
+
+def test_a_tie_keeps_speculating_and_just_below_it_plain_wins():
+    # 2 tokens at twice the cost is a tie: speculating is kept; just below it, plain wins.
+    assert run(AdaptiveController(AdaptiveConfig()), 200, lambda i: 2, 2.0).count(SPECULATE) > 190
+    assert run(AdaptiveController(AdaptiveConfig()), 200, lambda i: 2, 2.1).count(PLAIN) > 150
+
+
+def test_probes_grow_geometrically_and_in_units_of_the_speculative_cost():
+    cfg = AdaptiveConfig(probe_every=4, probe_growth=2.0, probe_max=32, refresh_every=0)
+    ctrl = AdaptiveController(cfg)
+    kinds = run(ctrl, 600, lambda i: 1, 2.0)
+    probes = [i for i, k in enumerate(kinds) if k == SPECULATE][1:]  # step 0 is the warm-up
+    gaps = [b - a - 1 for a, b in zip([0] + probes, probes)]
+    # The first probe after 4 speculative steps' worth of plain time (8 plain steps, the first of
+    # them the measurement), then 16, 32, 64 plain steps, then the cap (32 * 2 = 64) for good.
+    assert gaps[:5] == [8, 16, 32, 64, 64] and set(gaps[4:]) == {64}
+    # A dearer speculative step spaces the probes out in plain steps: the time spent on probes stays bounded.
+    dear = run(AdaptiveController(cfg), 600, lambda i: 1, 8.0)
+    assert dear.count(SPECULATE) < kinds.count(SPECULATE) / 2
+
+
+def test_adapts_when_acceptance_rises_mid_run():
+    ctrl = AdaptiveController(AdaptiveConfig())
+    kinds = run(ctrl, 2000, lambda i: 1 if i < 1000 else 4, 2.0)
+    first, second = kinds[:1000], kinds[1000:]
+    assert first.count(PLAIN) > 0.97 * 1000
+    # The first probe after the change resumes speculating (the long plain stretch decayed the
+    # old evidence), well within the probe interval reached by then.
+    resumed = second.index(SPECULATE)
+    assert resumed <= ctrl.config.probe_max * 2
+    assert second[resumed:].count(SPECULATE) > 0.95 * len(second[resumed:])
+    assert ctrl.interval == ctrl.config.probe_every  # the probe paid: the interval was reset
+
+
+def test_adapts_when_acceptance_falls_mid_run():
+    ctrl = AdaptiveController(AdaptiveConfig())
+    kinds = run(ctrl, 2000, lambda i: 4 if i < 1000 else 1, 2.0)
+    assert kinds[:1000].count(SPECULATE) > 0.95 * 1000
+    second = kinds[1000:]
+    switched = second.index(PLAIN)
+    assert switched < 20  # a few steps of evidence move the decayed mean below the break-even
+    assert second[switched:].count(PLAIN) > 0.95 * len(second[switched:])
+
+
+def test_noisy_acceptance_follows_its_mean():
+    # Alternating 1 and 5 tokens (mean 3) at 2x the cost: speculate; at 4x: plain.
+    assert run(AdaptiveController(AdaptiveConfig()), 500, lambda i: 1 + 4 * (i % 2), 2.0).count(SPECULATE) > 450
+    assert run(AdaptiveController(AdaptiveConfig()), 500, lambda i: 1 + 4 * (i % 2), 4.0).count(PLAIN) > 450
+
+
+def test_deterministic_and_per_source_statistics():
+    def trace():
+        ctrl = AdaptiveController(AdaptiveConfig())
+        out = []
+        for i in range(300):
+            kind = ctrl.decide()
+            if kind == SPECULATE:
+                ctrl.record_spec(1 + i % 3, 1.5 + 0.1 * (i % 5), "tree" if i % 2 else "linear")
+            else:
+                ctrl.record_plain(0.9 + 0.05 * (i % 7))
+            out.append(kind)
+        return out, ctrl
+
+    (a, ca), (b, _) = trace(), trace()
+    assert a == b
+    assert set(ca.by_source) <= {"tree", "linear"} and ca.by_source
+    assert all(1 <= m.value <= 3 for m in ca.by_source.values())
+
+
+def test_settings_are_checked_and_errors_name_the_field():
+    cfg = load_generate_config(None, {"adaptive": {"enabled": False, "probe_every": 4}})
+    assert cfg.adaptive == AdaptiveConfig(enabled=False, probe_every=4)
+    assert GenerateConfig().adaptive.enabled
+    for bad, field in [({"typo": 1}, "typo"), ({"decay": 1.0}, "$.adaptive.decay"),
+                       ({"probe_every": 0}, "$.adaptive.probe_every"),
+                       ({"probe_growth": 0.5}, "$.adaptive.probe_growth"),
+                       ({"enabled": "yes"}, "$.adaptive.enabled"),
+                       ({"probe_every": 64, "probe_max": 32}, "$.adaptive")]:
+        with pytest.raises(LonggenError, match=field.replace("$", r"\$")):
+            load_generate_config(None, {"adaptive": bad})
+    with pytest.raises(msgspec.ValidationError, match="probe_max"):
+        msgspec.convert({"probe_every": 64, "probe_max": 32}, AdaptiveConfig)

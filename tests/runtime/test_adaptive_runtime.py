@@ -1,0 +1,210 @@
+"""Adaptive speculation in the reference runtime: lossless whatever mix of steps, plain decoding's
+speed when drafts never match, speculation where they do.
+
+The mix of the real controller depends on measured wall times; the lossless tests also force
+fixed mixes (a scripted controller), so every transition (speculative after plain, plain after
+speculative, runs of each) is exercised deterministically.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import sgl_longgen.runtime.decoder as decoder_module
+from sgl_longgen.core.adaptive import PLAIN, SPECULATE
+from sgl_longgen.runtime import OwlDecoder, TokenSwiftDecoder, build_decoder
+
+from runtime_oracle import PROMPT, ar_output, config, model
+
+torch.set_num_threads(1)
+
+NEW_TOKENS = 200
+
+
+class Scripted:
+    """A controller that follows a fixed pattern (``"S"``: speculate, ``"P"``: plain), cyclically."""
+
+    def __init__(self, pattern: str):
+        self.kinds = itertools.cycle([SPECULATE if c == "S" else PLAIN for c in pattern])
+
+    def decide(self) -> str:
+        return next(self.kinds)
+
+    def record_spec(self, committed, seconds, source=None) -> None:
+        pass
+
+    def record_plain(self, seconds) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """``scripted(pattern)``: every generation from now on gets that fixed mix of steps."""
+    def use(pattern: str) -> None:
+        monkeypatch.setattr(decoder_module, "AdaptiveController", lambda cfg: Scripted(pattern))
+    return use
+
+
+def adaptive(method: str, **kw):
+    return config(method, adaptive__enabled=True, **kw)
+
+
+def owl_drafter(name: str):
+    from test_owl_lossless import fitted_drafter  # the drafter fitted to this prompt's continuations
+
+    return fitted_drafter(name)
+
+
+MIXES = ["SP", "PPS", "SSSPPP", "PSSPPPPS"]
+CASES = [
+    # method, model, penalty, window, extra
+    ("tokenswift", "tiny-random", 1.0, 1024, {}),
+    ("tokenswift", "tiny-random", 1.2, 64, {"tokenswift__partial_kv__budget": 40, "tokenswift__partial_kv__sinks": 4}),
+    ("tokenswift", "tiny-qwen2", 1.0, 1024, {"tokenswift__partial_kv__budget": 32, "tokenswift__partial_kv__sinks": 2}),
+    ("owl", "tiny-random", 1.0, 1024, {}),
+    ("owl", "tiny-random", 1.2, 64, {"owl__prefill_spec": False}),
+    ("howl", "tiny-qwen2", 1.0, 1024, {}),
+]
+
+
+@pytest.mark.parametrize("method,name,penalty,window,extra", CASES)
+def test_greedy_output_is_plain_decoding_whatever_the_mix_of_steps(scripted, method, name, penalty, window, extra):
+    cfg = adaptive(method, sampling__penalty=penalty, sampling__penalty_window=window, **extra)
+    drafter = owl_drafter(name) if method != "tokenswift" else None
+    expected = ar_output(name, penalty, window, NEW_TOKENS)
+    accepted = 0
+    for mix in MIXES:
+        scripted(mix)
+        result = build_decoder(model(name), cfg, drafter_dir=drafter).generate(PROMPT, NEW_TOKENS)
+        assert result.finish_reason == "length" and result.error is None
+        assert tuple(result.output_ids) == expected, mix
+        s = result.stats
+        assert 0 < s.plain_steps < s.steps
+        assert s.plain_steps == pytest.approx(s.steps * mix.count("P") / len(mix), abs=len(mix))
+        accepted += s.accepted
+    assert accepted > 0  # speculative steps after plain ones still get drafts accepted
+
+
+@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
+def test_greedy_output_with_the_real_controller(method):
+    name = "tiny-random"
+    drafter = owl_drafter(name) if method != "tokenswift" else None
+    result = build_decoder(model(name), adaptive(method), drafter_dir=drafter).generate(PROMPT, NEW_TOKENS)
+    assert tuple(result.output_ids) == ar_output(name, 1.0, 1024, NEW_TOKENS)
+    assert result.record()["stats"]["plain_steps"] == result.stats.plain_steps
+
+
+def test_plain_method_and_disabled_setting_take_no_plain_steps():
+    lm = model("tiny-random")
+    for cfg in (adaptive("ar"), config("tokenswift")):
+        dec = build_decoder(lm, cfg)
+        result = dec.generate(PROMPT, 50)
+        assert dec.controller is None and result.stats.plain_steps == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# speed: drafts that never match cost (almost) nothing
+
+
+REPEATS = 5  # runs of each per round
+ROUNDS = 3  # rounds at most: the minimum over more runs, while the load of a shared machine hides the bound
+SLOW_TOKENS = 500
+
+
+@pytest.mark.parametrize("method", ["tokenswift", "owl"])
+def test_drafts_that_never_match_run_at_plain_decoding_speed(method):
+    """Random heads / a random drafter at temperature 1: nothing is accepted, so the controller
+    decodes plainly (probing now and then) and the run takes about as long as ``--method ar``.
+
+    Wall times of whole runs, both kinds interleaved (in turns first, so both see the same load);
+    the minimum of each estimates its time on an idle machine."""
+    lm = model("tiny-random")
+    ar = build_decoder(lm, config("ar", sampling__temperature=1.0))
+    spec = build_decoder(lm, adaptive(method, sampling__temperature=1.0))
+    walls: dict[str, list[float]] = {"ar": [], "adaptive": []}
+    runs = (("ar", ar), ("adaptive", spec))
+    for r in range(REPEATS * ROUNDS):
+        for key, dec in runs if r % 2 == 0 else runs[::-1]:
+            t = time.perf_counter()
+            result = dec.generate(PROMPT, SLOW_TOKENS)
+            walls[key].append(time.perf_counter() - t)
+            assert result.num_new_tokens == SLOW_TOKENS
+            if key == "adaptive":
+                s = result.stats
+                assert s.plain_steps > 0.9 * s.steps, s
+        ratio = min(walls["adaptive"]) / min(walls["ar"])
+        if (r + 1) % REPEATS == 0 and ratio < 1.15:
+            break
+    share = s.plain_steps / s.steps
+    print(f"\n{method}: adaptive {min(walls['adaptive']):.3f}s, ar {min(walls['ar']):.3f}s, ratio {ratio:.3f} "
+          f"({len(walls['ar'])} runs each), plain steps {s.plain_steps}/{s.steps} ({share:.1%}), "
+          f"probes {spec.controller.probes}")
+    assert ratio < 1.15, walls
+
+
+def test_repetitive_text_keeps_drafting():
+    """Where the output repeats itself, suffix drafts commit dozens of tokens per step: once a
+    probe shows it, the controller keeps speculating and speculative steps commit most of the output."""
+    lm = model("tiny")
+    prompt = lm.tokenizer.encode("import os\n" * 20)  # the proxy answers "\n#" over and over
+    expected = build_decoder(lm, config("ar")).generate(prompt, 400).output_ids
+    dec = build_decoder(lm, adaptive("tokenswift"))
+    result = dec.generate(prompt, 400)
+    assert result.output_ids == expected
+    s = result.stats
+    spec_steps = s.steps - s.plain_steps
+    spec_tokens = result.num_new_tokens - 1 - s.plain_steps  # the first token comes from the prefill
+    print(f"\nrepetitive: {spec_steps} speculative steps committed {spec_tokens} tokens, {s.plain_steps} plain steps")
+    assert spec_tokens > 0.75 * result.num_new_tokens
+    assert spec_tokens / spec_steps > 10
+    assert dec.controller.worth() and dec.controller.interval == dec.controller.config.probe_every  # still drafting
+
+
+# ------------------------------------------------------------------------------------------------
+# sampled: the plain law whatever the mix
+
+
+def pair_counts(cls, lm, draft, cfg, runs: int) -> tuple[np.ndarray, int]:
+    counts = np.zeros((8, 8))
+    accepted = 0
+    for seed in range(runs):
+        r = cls(lm, msgspec.structs.replace(cfg, seed=seed), draft).generate([1, 2, 3, 1, 2, 3, 1, 2], 3)
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+        accepted += r.stats.accepted
+    return counts, accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["tokenswift", "owl"])
+def test_sampled_mixes_follow_the_exact_distribution(monkeypatch, method):
+    """The micro models of the sampled lossless tests; each run takes one of the four mixes of its
+    two steps (the mix fixed before the run, so it cannot depend on the draws)."""
+    if method == "tokenswift":
+        import test_lossless as base
+
+        cls = TokenSwiftDecoder
+        cfg = adaptive("tokenswift", tokenswift__partial_kv__budget=6, tokenswift__partial_kv__sinks=2,
+                       tokenswift__ngram__n=3, tokenswift__ngram__exclude_penalty_window=False)
+    else:
+        import test_owl_lossless as base
+
+        cls = OwlDecoder
+        cfg = adaptive("owl", owl__top_k=3, owl__depth=3, owl__tree_size=6)
+    lm, draft = base.micro()
+    cfg = msgspec.structs.replace(cfg, sampling=base.SAMPLING)
+    mixes = itertools.cycle(["SS", "SP", "PS", "PP"])
+    monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c: Scripted(next(mixes)))
+    runs = 2000
+    counts, accepted = pair_counts(cls, lm, draft, cfg, runs)
+    assert accepted > runs // 8  # the speculative steps among the mixes had drafts accepted
+    expected = base.exact_pair_distribution(lm).ravel() * runs
+    keep = expected > 0
+    assert counts.ravel()[~keep].sum() == 0
+    assert chisquare(counts.ravel()[keep], expected[keep]).pvalue > 1e-3
