@@ -1,0 +1,446 @@
+"""``sgl-longgen bench``: every method side by side, written as JSON, a Markdown table and a PNG plot.
+
+Two parts:
+
+* acceptance (anywhere, CPU included): each method on the embedded model (default: the trained
+  proxy ``tiny`` with its own TokenSwift heads and OWL drafter) over a few held-out prompts, under
+  greedy decoding and under sampling (temperature 1, min_p 0.1), at each contextual penalty
+  (1.0 and 1.2): tau, alpha, Distinct-1..4, tokens/s on the reference runtime and, under greedy
+  decoding, whether each method's output is token-identical to plain decoding's. This is
+  ``sgl-longgen eval`` run once per decoding mode (its rows, its checks, its progress bars);
+* projection (with ``--gpu-report``, a JSON report of ``python -m sgl_longgen.bench.gpu_check``):
+  the GPU check times each algorithm's steps on an 8B-shaped model with dummy weights, whose
+  repetitive greedy output makes tau an upper bound of what real text gets. Here each measured
+  step wall (``host_step_wall_median_ms``, else ``draft_ms + verify_ms + overhead_ms``) is divided
+  by the tau measured on the proxy in the acceptance part: the *projected* ms/token, and plain
+  decoding's ms/token (``ar_step_ms``) over it, the *projected* speedup. The GPU check's own
+  figures are kept beside them, labelled "measured, dummy weights: repetitive greedy (upper bound)".
+
+Outputs in ``--out DIR``: ``bench.json``, ``bench.md`` and ``bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..config import load_toml
+from ..errors import LonggenError
+from . import eval as eval_cmd
+from .generate import add_model_args
+
+DECODINGS = ("greedy", "sampled")
+PROJECTED = "projected: GPU step wall / proxy tau"
+MEASURED_DUMMY = "measured, dummy weights: repetitive greedy (upper bound)"
+
+# Held-out prompts: written for this benchmark, so in no training corpus (the proxy is trained on
+# Python's standard library); openings of ordinary Python modules, the proxy's domain.
+HELD_OUT_PROMPTS = (
+    'import os\nimport sys\n\n\ndef walk_files(root, suffix=".py"):\n'
+    '    """Yield the path of every file under root whose name ends with suffix."""\n    ',
+    'class LRUCache:\n    """A bounded mapping that forgets the least recently used key first."""\n\n'
+    "    def __init__(self, capacity):\n        ",
+    '"""Parse simple INI-style configuration files into nested dictionaries."""\n\nimport re\n\n\n'
+    "class ConfigError(Exception):\n    pass\n\n\ndef parse(text):\n    ",
+    'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n    result = []\n    ',
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="every method side by side: tau, alpha, Distinct-n, tokens/s, GPU projections; "
+                                     "JSON, Markdown and PNG",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory for bench.json, bench.md, bench.png")
+    add_model_args(p)
+    p.add_argument("--methods", nargs="+", metavar="METHOD",
+                   help=f"methods to compare (default: all, {', '.join(eval_cmd.method_names())}); "
+                        f"{eval_cmd.BASELINE} always runs")
+    p.add_argument("--max-new-tokens", type=int, default=12,
+                   help="new tokens per prompt and run (default 12: a quick look; thousands for real figures)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts", nargs="+", metavar="TEXT", help="prompt texts (default: built-in held-out prompts)")
+    src.add_argument("--prompt-file", type=Path, help="a text file (one prompt) or JSONL ({'id', 'prompt'|'input_ids'})")
+    p.add_argument("--num-prompts", type=int, default=2,
+                   help=f"how many built-in held-out prompts (1-{len(HELD_OUT_PROMPTS)}, default 2)")
+    g = p.add_argument_group("settings (each decoding mode at each penalty)")
+    g.add_argument("--decodings", nargs="+", choices=DECODINGS, default=list(DECODINGS),
+                   help="greedy (with the identity check) and/or sampled (default: both)")
+    g.add_argument("--penalties", type=float, nargs="+", default=[1.0, 1.2], metavar="THETA",
+                   help="contextual penalties theta (default: 1.0 1.2)")
+    g.add_argument("--temperature", type=float, default=1.0, help="temperature of the sampled setting (default 1.0)")
+    g.add_argument("--min-p", type=float, default=0.1, help="min_p of the sampled setting (default 0.1)")
+    g.add_argument("--penalty-window", type=int, help="contextual penalty window W (tokens)")
+    g.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--adaptive", action="store_true",
+                   help="keep adaptive speculation on (default: off, so that tau counts speculative steps only, "
+                        "what the GPU projection divides by; on, the CPU's costs decide which steps speculate)")
+    p.add_argument("--gpu-report", type=Path, metavar="JSON",
+                   help="a report of python -m sgl_longgen.bench.gpu_check: project its step times with the proxy's tau")
+    p.set_defaults(run=run)
+
+
+# -- input checks (before any work: a typo fails in the first second) ------------------------------
+
+
+def check_methods(requested: list[str] | None) -> list[str]:
+    known = eval_cmd.method_names()
+    methods = list(dict.fromkeys(requested or known))
+    for m in methods:
+        if m not in known:
+            raise LonggenError(f"--methods: unknown method {m!r} (known: {', '.join(known)})")
+    return [eval_cmd.BASELINE] + [m for m in methods if m != eval_cmd.BASELINE]
+
+
+def load_gpu_report(path: Path) -> dict:
+    """A gpu_check report, checked for what the projection needs (``ar_step_ms``)."""
+    if not path.is_file():
+        raise LonggenError(f"--gpu-report: file not found: {path}")
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LonggenError(f"--gpu-report: {path} is not a JSON report ({type(exc).__name__}: {exc})") from None
+    if not isinstance(report, dict):
+        raise LonggenError(f"--gpu-report: {path} is not a gpu_check report (a JSON object)")
+    ar = report.get("ar_step_ms")
+    if not isinstance(ar, dict) or not ar:
+        raise LonggenError(f"--gpu-report: {path} has no ar_step_ms (plain decoding's ms/token per context: "
+                           "run python -m sgl_longgen.bench.gpu_check --phase plain first)")
+    return report
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None (gpu_check writes NaN where a figure is missing)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _clean(obj: Any) -> Any:
+    """JSON without NaN / Infinity (strict parsers reject them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def setting_label(decoding: str, penalty: float, temperature: float, min_p: float) -> str:
+    theta = f"{penalty:g}" if "." in f"{penalty:g}" else f"{penalty:.1f}"
+    if decoding == "greedy":
+        return f"greedy θ={theta}"
+    return f"sampled T={temperature:g} min_p={min_p:g} θ={theta}"
+
+
+# -- acceptance: sgl-longgen eval, once per decoding mode ------------------------------------------
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sgl-longgen")
+    eval_cmd.add_parser(parser.add_subparsers())
+    return parser
+
+
+def eval_argv(args: argparse.Namespace, methods: list[str], decoding: str, prompt_file: Path | None,
+              config: Path | None, out: Path) -> list[str]:
+    """The ``sgl-longgen eval`` command line of one decoding mode (every penalty in one run)."""
+    argv = ["eval", "--model", str(args.model), "--max-new-tokens", str(args.max_new_tokens), "--out", str(out),
+            "--penalties", *(repr(float(t)) for t in args.penalties)]
+    for m in methods:
+        argv += ["--method", m]
+    for flag, value in (("--heads", args.heads), ("--drafter", args.drafter), ("--config", config),
+                        ("--dtype", args.dtype), ("--penalty-window", args.penalty_window), ("--seed", args.seed),
+                        ("--prompt-file", prompt_file)):
+        if value is not None:
+            argv += [flag, str(value)]
+    # Adaptive speculation would swap in plain steps by CPU costs, and tau would no longer say what
+    # the drafts are worth: off unless asked for.
+    argv.append("--adaptive" if args.adaptive else "--no-adaptive")
+    if decoding == "greedy":
+        argv += ["--temperature", "0"]
+    else:
+        argv += ["--temperature", repr(float(args.temperature)), "--min-p", repr(float(args.min_p))]
+    return argv
+
+
+def write_prompts(args: argparse.Namespace, directory: Path) -> tuple[Path, list[dict]]:
+    """The prompts as a JSONL file for eval, and their ids and texts for the report."""
+    if args.prompt_file is not None:
+        return args.prompt_file, []  # eval reads it; the ids come back in its records
+    if args.prompts:
+        texts = list(args.prompts)
+        ids = [f"prompt-{i}" for i in range(len(texts))]
+    else:
+        texts = list(HELD_OUT_PROMPTS[: args.num_prompts])
+        ids = [f"held-out-{i}" for i in range(len(texts))]
+    path = directory / "prompts.jsonl"
+    items = [{"id": i, "prompt": t} for i, t in zip(ids, texts)]
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return path, items
+
+
+def run_acceptance(args: argparse.Namespace, methods: list[str]) -> tuple[list[dict], list[dict], list[dict], int]:
+    """``sgl-longgen eval`` per decoding mode; returns (rows, records, prompts, worst exit code)."""
+    rows: list[dict] = []
+    records: list[dict] = []
+    code = 0
+    parser = _eval_parser()
+    with tempfile.TemporaryDirectory(prefix="longgen_bench_") as tmp:
+        tmpdir = Path(tmp)
+        prompt_file, prompts = write_prompts(args, tmpdir)
+        config = args.config
+        for decoding in dict.fromkeys(args.decodings):
+            out = tmpdir / f"eval-{decoding}.json"
+            print(f"== {decoding} ==", flush=True)
+            eval_args = parser.parse_args(eval_argv(args, methods, decoding, prompt_file, config, out))
+            code = max(code, int(eval_args.run(eval_args) or 0))
+            report = json.loads(out.read_text())
+            temperature = float(report["temperature"])
+            min_p = float(args.min_p) if decoding == "sampled" else 0.0
+            for row in report["rows"]:
+                label = setting_label(decoding, row["penalty"], temperature, min_p)
+                rows.append({"setting": label, "decoding": decoding, "temperature": temperature, "min_p": min_p,
+                             **row})
+            for rec in report["records"]:
+                rec = {k: v for k, v in rec.items() if k not in ("output_ids", "text")}
+                records.append({"setting": setting_label(decoding, rec["penalty"], temperature, min_p),
+                                "decoding": decoding, **rec})
+    if not prompts:
+        prompts = [{"id": i, "prompt": None, "prompt_file": str(prompt_file)}
+                   for i in dict.fromkeys(r["id"] for r in records)]
+    return rows, records, prompts, code
+
+
+# -- projection: GPU step times over the proxy's tau ----------------------------------------------
+
+
+def step_wall(step: dict) -> tuple[float | None, str | None]:
+    """One gpu_check step row's measured step wall (ms) and where it came from."""
+    wall = _number(step.get("host_step_wall_median_ms"))
+    if wall is not None:
+        return wall, "host_step_wall_median_ms"
+    parts = [_number(step.get(k)) for k in ("draft_ms", "verify_ms", "overhead_ms")]
+    if all(p is not None for p in parts):
+        return sum(parts), "draft_ms+verify_ms+overhead_ms"
+    return None, None
+
+
+def gpu_runs(report: dict) -> list[tuple[str, dict]]:
+    """The speculative runs of a gpu_check report (``{tag: {'algorithm', 'steps', ...}}``), in order."""
+    return [(tag, run) for tag, run in report.items() if isinstance(run, dict) and isinstance(run.get("steps"), list)]
+
+
+def project(report: dict, acceptance: list[dict]) -> dict:
+    """Projected ms/token and speedup per run, context and setting, next to the measured figures."""
+    plain = {str(k): _number(v) for k, v in report["ar_step_ms"].items()}
+    tau_of = {(r["method"], r["setting"]): r["tau"] for r in acceptance}
+    settings = list(dict.fromkeys(r["setting"] for r in acceptance))
+    runs = gpu_runs(report)
+    algorithms = [str(run.get("algorithm", tag)).lower() for tag, run in runs]
+    projected: list[dict] = []
+    measured: list[dict] = []
+    for (tag, run), method in zip(runs, algorithms):
+        label = method if algorithms.count(method) == 1 else tag
+        for step in run["steps"]:
+            context = step.get("context")
+            plain_ms = plain.get(str(context), _number(step.get("ar_step_ms")))
+            wall, source = step_wall(step)
+            measured.append({"figure": MEASURED_DUMMY, "run": tag, "label": label, "method": method,
+                             "context": context, "plain_ms_per_token": plain_ms,
+                             "measured_dummy_tau": _number(step.get("tau")),
+                             "measured_dummy_ms_per_token": _number(step.get("ms_per_token")),
+                             "measured_dummy_speedup": _number(step.get("speedup")),
+                             "measured_dummy_host_ms_per_token_median": _number(step.get("host_ms_per_token_median")),
+                             "step_wall_ms": wall, "step_wall_source": source})
+            for setting in settings:
+                tau = tau_of.get((method, setting))
+                if tau is None:  # not run on the proxy (e.g. SGLang's NGRAM, or left out by --methods)
+                    continue
+                ms = wall / tau if wall is not None and tau else None
+                projected.append({"figure": PROJECTED, "run": tag, "label": label, "method": method,
+                                  "context": context, "setting": setting, "proxy_tau": tau,
+                                  "step_wall_ms": wall, "step_wall_source": source,
+                                  "projected_ms_per_token": ms,
+                                  "projected_speedup": plain_ms / ms if ms and plain_ms is not None else None,
+                                  "plain_ms_per_token": plain_ms})
+    return {
+        "note": ("projected ms/token = measured GPU step wall (host_step_wall_median_ms, else draft_ms + verify_ms + "
+                 "overhead_ms) / tau measured on the proxy in the acceptance part; projected speedup = plain "
+                 "decoding's measured ms/token (ar_step_ms) / projected ms/token. The GPU check runs dummy weights, "
+                 "whose repetitive greedy output makes its own tau and speedup an upper bound."),
+        "plain": [{"context": int(k) if k.isdigit() else k, "plain_ms_per_token": v} for k, v in plain.items()],
+        "plain_attention_backend": report.get("plain_attention_backend"),
+        "projected": projected,
+        "measured_dummy": measured,
+        "errors": {k: v for k, v in report.items() if k.endswith("_error")},
+    }
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+
+
+def _f(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# sgl-longgen bench: {result['model']}", "",
+             f"Reference runtime, {len(result['prompts'])} prompt(s), "
+             f"{result['max_new_tokens']} new tokens each per run. tok/s and speedup are the CPU reference "
+             "runtime's, not a GPU's."
+             + {False: " Adaptive speculation off: tau counts speculative steps only.",
+                True: " Adaptive speculation on: plain steps chosen by CPU costs count in tau."}.get(result["adaptive"], ""),
+             "",
+             "## Acceptance (measured on the proxy)", "",
+             "| setting | method | tokens | tau | alpha | Distinct-1 | Distinct-2 | Distinct-3 | Distinct-4 "
+             "| tok/s | speedup | identical to plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["acceptance"]:
+        same = "-" if r["identical"] is None else ("yes" if r["identical"] else "**NO**")
+        distinct = " | ".join(f"{r[f'distinct_{n}']:.3f}" for n in eval_cmd.DISTINCT_N)
+        lines.append(f"| {r['setting']} | {r['method']} | {r['tokens']} | {r['tau']:.2f} | {_f(r['alpha'], '.3f')} "
+                     f"| {distinct} | {r['tokens_per_second']:.1f} | {_f(r['speedup'], '.2f')} | {same} |")
+    proj = result.get("projection")
+    if proj is None:
+        lines += ["", "No GPU projection: give --gpu-report (a python -m sgl_longgen.bench.gpu_check JSON report)."]
+        return "\n".join(lines) + "\n"
+    plain = ", ".join(f"{_f(p['plain_ms_per_token'], '.2f')} ms/token at {p['context']}" for p in proj["plain"])
+    lines += ["", "## GPU projection", "",
+              f"From `{result['gpu_report']}`. Plain decoding (measured): {plain}.", "",
+              f"*Projected* rows: {proj['note']}", "",
+              "| run | context | figure | setting | tau | step wall ms | ms/token | speedup |",
+              "|---|---|---|---|---|---|---|---|"]
+    if not proj["measured_dummy"]:
+        lines.append("| (the report holds no speculative runs: gpu_check --phase spec) | | | | | | | |")
+    for m in proj["measured_dummy"]:
+        for p in proj["projected"]:
+            if p["run"] == m["run"] and p["context"] == m["context"]:
+                lines.append(f"| {p['label']} | {p['context']} | projected | {p['setting']} | {p['proxy_tau']:.2f} "
+                             f"| {_f(p['step_wall_ms'], '.2f')} | {_f(p['projected_ms_per_token'], '.3f')} "
+                             f"| {_f(p['projected_speedup'], '.2f')} |")
+        lines.append(f"| {m['label']} | {m['context']} | {MEASURED_DUMMY} | greedy | {_f(m['measured_dummy_tau'], '.2f')} "
+                     f"| {_f(m['step_wall_ms'], '.2f')} | {_f(m['measured_dummy_ms_per_token'], '.3f')} "
+                     f"| {_f(m['measured_dummy_speedup'], '.2f')} |")
+    for tag, err in proj["errors"].items():
+        lines.append(f"\n{tag}: {err}")
+    return "\n".join(lines) + "\n"
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float | None]], colors: dict[str, str],
+          hatches: dict[str, str] | None = None, notes: dict[str, list[str | None]] | None = None) -> None:
+    """Grouped bars: one group per x label, one bar per series (None: no bar), values written on top."""
+    n = max(len(series), 1)
+    width = 0.8 / n
+    top = max((v for values in series.values() for v in values if v is not None), default=1.0)
+    for i, (name, values) in enumerate(series.items()):
+        at = [g for g, v in enumerate(values) if v is not None]
+        if not at:
+            continue
+        bars = ax.bar([g + (i - (n - 1) / 2) * width for g in at], [values[g] for g in at], width, label=name,
+                      color=colors[name], edgecolor="black", linewidth=0.4)
+        for bar, g in zip(bars, at):
+            if hatches:
+                bar.set_hatch(hatches.get(groups[g], ""))
+        extra = (notes or {}).get(name)
+        labels = [f"{values[g]:.2f}" + (f"\n{extra[g]}" if extra and extra[g] else "") for g in at]
+        ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
+    ax.set_ylim(0, top * 1.22)
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["acceptance"]
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    spec_methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != eval_cmd.BASELINE] or [eval_cmd.BASELINE]
+    proj = result.get("projection")
+    contexts = list(dict.fromkeys(m["context"] for m in proj["measured_dummy"])) if proj else []
+    size = (max(10.0, 2.2 * (len(settings) + 1) + 2.5), 4.2 * (1 + len(contexts)))
+    fig, axes = plt.subplots(1 + len(contexts), 1, figsize=size, squeeze=False)
+    names = list(dict.fromkeys(spec_methods + ([m["label"] for m in proj["measured_dummy"]] if proj else [])))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per method in every panel
+    legend = dict(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax = axes[0][0]
+    tau = {(r["method"], r["setting"]): r["tau"] for r in rows}
+    _bars(ax, [s.replace(" min_p", "\nmin_p") for s in settings],
+          {m: [tau.get((m, s)) for s in settings] for m in spec_methods}, colors)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding (tau = 1)")
+    ax.set_ylabel("tau (tokens / target forward)")
+    ax.set_title(f"measured on the proxy ({result['model']}, reference runtime, "
+                 f"{len(result['prompts'])} prompt(s) x {result['max_new_tokens']} tokens): tau per method and setting",
+                 fontsize=9)
+    ax.legend(**legend)
+    if proj:
+        measured_group = "measured, dummy weights:\nrepetitive greedy\n(upper bound)"
+        for ax, context in zip((a[0] for a in axes[1:]), contexts):
+            runs = [m for m in proj["measured_dummy"] if m["context"] == context]
+            groups = [f"projected\n{s.replace(' min_p', chr(10) + 'min_p')}" for s in settings] + [measured_group]
+            series, notes = {}, {}
+            for m in runs:
+                cells = {p["setting"]: p for p in proj["projected"] if p["run"] == m["run"] and p["context"] == context}
+                series[m["label"]] = ([cells[s]["projected_ms_per_token"] if s in cells else None for s in settings]
+                                      + [m["measured_dummy_ms_per_token"]])
+                speedups = [cells[s]["projected_speedup"] if s in cells else None for s in settings]
+                notes[m["label"]] = [None if x is None else f"{x:.2f}x" for x in speedups + [m["measured_dummy_speedup"]]]
+            _bars(ax, groups, series, colors, hatches={measured_group: "//"}, notes=notes)
+            plain_ms = next((p["plain_ms_per_token"] for p in proj["plain"] if str(p["context"]) == str(context)), None)
+            if plain_ms is not None:
+                ax.axhline(plain_ms, color="black", linestyle="--", linewidth=1,
+                           label=f"plain decoding, measured ({plain_ms:.2f} ms/token)")
+                ax.set_ylim(0, max(ax.get_ylim()[1], plain_ms * 1.15))
+            ax.set_ylabel("ms / token (lower is better)")
+            ax.set_title(f"context {context}: projected ms/token = GPU step wall / proxy tau (speedup over plain "
+                         "decoding below each value), next to the GPU check's measured dummy-weight figures", fontsize=9)
+            ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    methods = check_methods(args.methods)
+    if args.max_new_tokens < 1:
+        raise LonggenError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.decodings and "sampled" in args.decodings and args.temperature <= 0:
+        raise LonggenError(f"--temperature of the sampled setting must be > 0, got {args.temperature}")
+    if not (args.prompts or args.prompt_file) and not 1 <= args.num_prompts <= len(HELD_OUT_PROMPTS):
+        raise LonggenError(f"--num-prompts: 1 to {len(HELD_OUT_PROMPTS)} built-in prompts, got {args.num_prompts}")
+    if args.config is not None:
+        load_toml(args.config)  # a missing or broken config file fails here, before any work
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        raise LonggenError(f"prompt file not found: {args.prompt_file}")
+    bad = [t for t in args.penalties if t < 1.0]
+    if bad:
+        raise LonggenError(f"--penalties: theta must be >= 1.0 (1.0 = off), got {bad[0]}")
+    gpu = load_gpu_report(args.gpu_report) if args.gpu_report is not None else None
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    acceptance, records, prompts, code = run_acceptance(args, methods)
+    result: dict[str, Any] = {
+        "model": str(args.model), "methods": methods,
+        "adaptive": bool(args.adaptive), "max_new_tokens": args.max_new_tokens,
+        "prompts": prompts, "settings": list(dict.fromkeys(r["setting"] for r in acceptance)),
+        "acceptance": acceptance, "records": records,
+        "gpu_report": str(args.gpu_report) if gpu is not None else None,
+        "projection": project(gpu, acceptance) if gpu is not None else None,
+    }
+    result = _clean(result)
+    (args.out / "bench.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    md = markdown(result)
+    (args.out / "bench.md").write_text(md, encoding="utf-8")
+    plot(result, args.out / "bench.png")
+    print()
+    print(md)
+    print(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {args.out / 'bench.png'}", file=sys.stderr)
+    return code
