@@ -12,7 +12,7 @@ token from the target distribution whatever the trie holds.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -34,15 +34,21 @@ def head_candidates(
     num_heads: int,
     vocab_size: int,
     k: int,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` raw logits and token ids of the base head and each extra head: ``[bs, 1 + H, k]``.
 
     ``h0``: ``[bs, d]`` pre-final-norm states of the root tokens; ``normed``: the final norm's
     output for them (what the LM head reads). All ``1 + H`` rows share one GEMM with the LM head
-    weight: one read of a 128K-row head instead of two.
+    weight: one read of a 128K-row head instead of two. ``gather``: where ``lm_head_weight`` is
+    this rank's shard of a vocabulary-parallel head, joins the shards' logits along the last
+    dimension (in rank order), so every rank ranks the whole vocabulary alike.
     """
     states = torch.stack([normed, *heads(h0)[:num_heads]], dim=-2)  # [bs, 1 + H, d]
-    logits = torch.matmul(states.to(lm_head_weight.dtype), lm_head_weight.t())[..., :vocab_size]
+    logits = torch.matmul(states.to(lm_head_weight.dtype), lm_head_weight.t())
+    if gather is not None:
+        logits = gather(logits.contiguous())
+    logits = logits[..., :vocab_size]
     values, ids = logits.topk(k, dim=-1)  # in the head's dtype: widening first would copy every row
     return values.float(), ids
 

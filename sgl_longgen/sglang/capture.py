@@ -72,6 +72,8 @@ class ImportanceScorer:
     q.k of TokenSwift's Eq. 2, softmax-normalised per KV head (one selection is shared by all
     layers and heads in the engine), and accumulated over layers. Scoring steps run the draft forward
     eagerly (see :mod:`.draft_graph`), so these hooks fire; other steps may replay a CUDA graph.
+    With tensor parallelism each rank scores its own heads: :meth:`total` sums the ranks' scores,
+    so every rank selects the same positions (those of one rank holding every head).
     """
 
     def __init__(self, model_runner):
@@ -81,6 +83,14 @@ class ImportanceScorer:
         self.layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
         for layer in self.layers:
             layer.register_forward_hook(self._hook, with_kwargs=True)
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        group = get_attn_tp_group()  # the ranks the attention heads are split over
+        self.group = group if group.world_size > 1 else None
+
+    def total(self, scores: torch.Tensor) -> torch.Tensor:
+        """A request's scores over every attention head (collective: every TP rank calls it alike)."""
+        return scores if self.group is None else self.group.all_reduce(scores)
 
     @staticmethod
     def _arg(args, kwargs, index: int, name: str):

@@ -121,6 +121,8 @@ CPU_HOOKS: dict[str, tuple[str, str, str]] = {
                                  "a PyTorch stand-in for sgl_kernel's CPU op"),
     "support_triton": ("sglang.srt.utils.common.support_triton", "REPLACE",
                        "keeping our torch backends off SGLang's Triton helpers on CPU"),
+    "no_nccl": ("sglang.srt.distributed.device_communicators.pynccl_wrapper.find_nccl_library", "REPLACE",
+                "no NCCL communicator for tensor parallelism on CPU, where a CUDA build of PyTorch ships libnccl"),
 }
 
 # -- members of SGLang classes whose instances only exist once requests run --------------------

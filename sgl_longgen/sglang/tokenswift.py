@@ -57,6 +57,19 @@ def likely_finishes(req, tokens: list[int]) -> bool:
     return any(t in stops for t in tokens)
 
 
+def lm_head_group(lm_head):
+    """The group a vocabulary-parallel LM head is split over (None: every row is on this rank).
+
+    With tensor parallelism each rank holds a shard of the rows; the shards' logits, gathered in
+    rank order, are the padded vocabulary's, as SGLang's ``LogitsProcessor`` gathers them.
+    """
+    if getattr(lm_head, "tp_size", 1) <= 1:
+        return None
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_tp_group
+
+    return get_attn_tp_group() if getattr(lm_head, "use_attn_tp_group", False) else get_tp_group()
+
+
 class TokenSwiftDrafter(Drafter):
     def __init__(self, env):
         self.env = env
@@ -71,6 +84,7 @@ class TokenSwiftDrafter(Drafter):
         self.heads = load_heads(draft.path, hidden_size=draft.checkpoint["hidden_size"],
                                 num_heads=ts.num_heads).to(device=env.device, dtype=dtype).eval()
         self.lm_head_weight = model.lm_head.weight
+        self.lm_head_group = lm_head_group(model.lm_head)
         if env.vocab_size >= 1 << 24:
             raise LonggenError(f"TOKENSWIFT supports vocabularies below 2**24 tokens, got {env.vocab_size}")
         self.num_candidates = candidate_count(ts.tree, env.vocab_size)
@@ -143,8 +157,10 @@ class TokenSwiftDrafter(Drafter):
         Values and token ids travel as one ``[2, bs, 1 + H, k]`` fp32 tensor (ids below 2**24 are
         exact), so the host reads them with one copy.
         """
+        group = self.lm_head_group  # a vocabulary-parallel head: SGLang's own gather of the shards
+        gather = None if group is None else (lambda logits: group.all_gather(logits, dim=-1))
         values, ids = head_candidates(self.heads, h0, normed, self.lm_head_weight, self.method.config.num_heads,
-                                      self.env.vocab_size, self.num_candidates)
+                                      self.env.vocab_size, self.num_candidates, gather)
         return (torch.stack([values, ids.to(values.dtype)]),)
 
     def _draft_inputs(self, batch, steps: list[StepRequest]) -> SimpleNamespace:
@@ -218,7 +234,7 @@ class TokenSwiftDrafter(Drafter):
             (candidates,) = self._forward_batch(batch, inputs)
         for b, scores in spec.scores.items():
             state = steps[b].state.method
-            self.method.select(state, scores[None, None].cpu())
+            self.method.select(state, self.scorer.total(scores)[None, None].cpu())
             # The host just waited for the scores: the slots' copy to the device costs no sync now.
             self._selected_slots(state, batch.req_to_token_pool.req_to_token[steps[b].req.req_pool_idx])
         return candidates, done, span

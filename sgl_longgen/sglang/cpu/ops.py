@@ -35,11 +35,18 @@ def skip_kv_copy_warmup(self) -> None:
     self._kv_copy_config = None
 
 
+def no_nccl_library() -> str:
+    """Tensor parallelism on the CPU engine all-reduces through gloo. SGLang still builds an NCCL
+    communicator per group when ``libnccl`` loads (a CUDA build of PyTorch ships it), which fails on
+    a CPU device; without the library (a CPU build of PyTorch) the communicator stays disabled."""
+    raise RuntimeError("no NCCL on SGLang's CPU engine")
+
+
 def hooks(tree_backends: tuple[str, ...]) -> dict:
     """The stand-ins by :data:`sgl_longgen.sglang.compat.CPU_HOOKS` name (call only on SGLang's CPU engine)."""
     # KV moves (speculative commit) through plain tensor indexing.
     os.environ.setdefault("SGLANG_NATIVE_MOVE_KV_CACHE", "1")
-    out = {"kv_copy_warmup": skip_kv_copy_warmup}
+    out = {"kv_copy_warmup": skip_kv_copy_warmup, "no_nccl": no_nccl_library}
     if not has_sgl_kernel_op("assign_req_to_token_pool_cpu"):
         out["assign_req_to_token_pool"] = assign_req_to_token_pool
     # Our torch backends must not be sent down SGLang's Triton helper kernels on CPU.
