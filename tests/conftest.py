@@ -8,7 +8,9 @@ user's server. Here that happens before any test imports SGLang's modules direct
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -16,3 +18,24 @@ if not torch.cuda.is_available():
     from sgl_longgen.sglang.cpu import install_stand_in
 
     install_stand_in()
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """``sgl-longgen ARGS`` in this process: its exit code and what it printed."""
+    from sgl_longgen.cli import main
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        code = main(list(args))
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    return run

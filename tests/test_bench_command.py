@@ -8,31 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
 import pytest
 
-from sgl_longgen.cli import main
 from sgl_longgen.commands.eval import BASELINE, method_names
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def cli(capsys):
-    def run(*args: str) -> Result:
-        capsys.readouterr()
-        code = main(list(args))
-        out = capsys.readouterr()
-        return Result(code, out.out, out.err)
-    return run
 
 
 def gpu_step(context: int, ar_ms: float, tau: float, draft: float, verify: float, overhead: float,
@@ -129,7 +112,7 @@ def test_bench_writes_json_markdown_and_png(cli, tmp_path):
     assert "measured, dummy weights: repetitive greedy (upper bound)" in md
 
 
-def one_error_line(res: Result) -> str:
+def one_error_line(res) -> str:
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, res.stderr

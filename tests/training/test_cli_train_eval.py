@@ -5,7 +5,6 @@ installed script) to spare a torch import per call.
 """
 
 import json
-from dataclasses import dataclass
 
 import pytest
 
@@ -14,21 +13,6 @@ from sgl_longgen.commands.eval import distinct_n, method_names
 from sgl_longgen.core.heads import load_heads
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def cli(capsys):
-    def run(*args: str) -> Result:
-        capsys.readouterr()
-        code = main(list(args))
-        out = capsys.readouterr()
-        return Result(code, out.out, out.err)
-    return run
 
 
 def test_train_heads_writes_a_checkpoint_that_generate_loads(cli, tmp_path, corpus_dir):
