@@ -88,23 +88,25 @@ class StepClock:
 
     def section(self, name: str) -> None:
         """End the section ``name``."""
-        if self.mode is None:
-            return
-        if self.mode == "sync":
-            self._sync()
-        now = time.perf_counter()
-        self.values[f"longgen_{name}_ms"] = round((now - self._last) * 1e3, 3)
-        self._last = now
+        now = self._lap(name, "_last")
+        if now is not None:
+            self._last = now
 
     def phase(self, name: str) -> None:
         """End the coarse phase ``name`` (one of :data:`PHASES`); the next section starts here."""
+        now = self._lap(name, "_phase_start")
+        if now is not None:
+            self._phase_start = self._last = now
+
+    def _lap(self, name: str, since: str) -> float | None:
+        """Record ``longgen_<name>_ms`` from the time in attribute ``since`` to now (None: untimed step)."""
         if self.mode is None:
-            return
+            return None
         if self.mode == "sync":
             self._sync()
         now = time.perf_counter()
-        self.values[f"longgen_{name}_ms"] = round((now - self._phase_start) * 1e3, 3)
-        self._phase_start = self._last = now
+        self.values[f"longgen_{name}_ms"] = round((now - getattr(self, since)) * 1e3, 3)
+        return now
 
     def gpu_mark(self, name: str) -> None:
         """Start (first call) or end (second call) the GPU span ``name`` (host mode)."""
