@@ -120,7 +120,7 @@ def test_deterministic_and_per_source_statistics():
 def test_settings_are_checked_and_errors_name_the_field():
     cfg = load_generate_config(None, {"adaptive": {"enabled": False, "probe_every": 4}})
     assert cfg.adaptive == AdaptiveConfig(enabled=False, probe_every=4)
-    assert GenerateConfig().adaptive.enabled
+    assert not GenerateConfig().adaptive.enabled  # opt-in: the mix of steps follows wall times
     for bad, field in [({"typo": 1}, "typo"), ({"decay": 1.0}, "$.adaptive.decay"),
                        ({"probe_every": 0}, "$.adaptive.probe_every"),
                        ({"probe_growth": 0.5}, "$.adaptive.probe_growth"),
