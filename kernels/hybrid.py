@@ -276,24 +276,25 @@ class HybridTreeAttention:
 
     def _run_fa3(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
         o_prefix, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale)  # lse [bs, Hq, T], base 2
-        o_tree = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        o_tree, lse_tree = tree_attention(q, k_tree, v_tree, self.tree_mask, sm_scale, out=o_tree)
         T, G = self.tree_size, self.group
         s_req, s_head, s_t = lse_prefix.stride()
-        merge_two_states_strided(
-            o_prefix, lse_prefix, (token_head_strides(o_prefix, T, G), (s_req, s_t, G * s_head, s_head)),
-            o_tree, lse_tree, (token_head_strides(o_tree, T, G), token_head_strides(lse_tree, T, G)),
-            out, lse, T, G,
-        )
-        return out
+        strides = (token_head_strides(o_prefix, T, G), (s_req, s_t, G * s_head, s_head))
+        return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, sm_scale)
 
     def _run_folded(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse):
         o_prefix, lse_prefix = self._folded.run(q, k_buffer, v_buffer)
+        T, G = self.tree_size, self.group
+        strides = (folded_strides(o_prefix, T, G), folded_strides(lse_prefix, T, G))
+        return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, self.sm_scale)
+
+    def _merge_tree(self, q, k_tree, v_tree, o_prefix, lse_prefix, prefix_strides, out, lse, sm_scale):
+        """The tree part, merged with a library's prefix state (addressed by ``prefix_strides``:
+        (req, t, kv_head, g) strides of its output and of its base-2 LSE) into ``out``/``lse``."""
         o_tree = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        o_tree, lse_tree = tree_attention(q, k_tree, v_tree, self.tree_mask, self.sm_scale, out=o_tree)
+        o_tree, lse_tree = tree_attention(q, k_tree, v_tree, self.tree_mask, sm_scale, out=o_tree)
         T, G = self.tree_size, self.group
         merge_two_states_strided(
-            o_prefix, lse_prefix, (folded_strides(o_prefix, T, G), folded_strides(lse_prefix, T, G)),
+            o_prefix, lse_prefix, prefix_strides,
             o_tree, lse_tree, (token_head_strides(o_tree, T, G), token_head_strides(lse_tree, T, G)),
             out, lse, T, G,
         )

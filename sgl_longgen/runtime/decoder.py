@@ -101,7 +101,7 @@ class Decoder(ABC):
         """Commit the root and return the newly generated tokens (the last one is the new root)."""
 
     def after_plain_step(self, h: torch.Tensor, token: int) -> None:
-        """After a :meth:`plain_step` of a speculative method (``h``: the root's output row, ``[1, d]``
+        """After a :meth:`plain_step` (plain decoding keeps no state: nothing) (``h``: the root's output row, ``[1, d]``
         before the final norm; ``token``: the one drawn, the new root, not yet in ``history``):
         bring the method's state up to the new committed length."""
 
@@ -115,8 +115,7 @@ class Decoder(ABC):
         tok = int(self.processor.sample(self.model.logits(h), self.penalty_windows([[]]), self.generator)[0])
         self.stats.verify_seconds += time.perf_counter() - t
         self.length += 1
-        if self.speculative:
-            self.after_plain_step(h, tok)
+        self.after_plain_step(h, tok)
         return [tok]
 
     def adaptive_step(self, controller: AdaptiveController) -> list[int]:

@@ -55,7 +55,7 @@ class OwlDecoder(Decoder):
         return Owl(config.owl, beam, spec_id)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, progress: ProgressFn | None = None) -> GenerationResult:
-        self._plain_tokens = []
+        self._plain_tokens: list[int] = []  # drawn by plain steps since the last speculative one
         try:
             return super().generate(prompt_ids, max_new_tokens, progress)
         finally:
@@ -87,7 +87,6 @@ class OwlDecoder(Decoder):
 
     def after_prefill(self) -> None:
         self.state = self.method.start(RID, self.history, *self._prefill_states)
-        self._plain_tokens: list[int] = []  # drawn by plain steps since the last speculative one
 
     # -- one step ------------------------------------------------------------------------------
 
