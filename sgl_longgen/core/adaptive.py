@@ -33,6 +33,13 @@ decoding; sampled output has the plain law, but the mix of steps depends on meas
 different mix consumes the random stream differently: with adaptive speculation on, one seed no
 longer pins one sample (turn it off to reproduce a sampled run exactly).
 
+A batch takes one kind of step (:func:`decide_batch`): the controllers of its requests share
+the costs of the batch's shape (:class:`CostTable`: measured per batch size and context length,
+which is what a step's price depends on) and the batch speculates when the requests' expected
+tokens together pay for it, or when one of them is warming up or due for a probe and the rest
+would not lose much by it. The same argument keeps this lossless: the choice depends only on
+past steps of the batch's requests.
+
 Engine-agnostic and deterministic: no clock is read here. The runtime passes the seconds it
 measured, so tests drive it with synthetic costs and acceptances.
 """
@@ -80,20 +87,65 @@ class Ema:
         self.value = x if self.value is None else self.decay * self.value + (1.0 - self.decay) * x
 
 
+class StepCosts:
+    """Measured seconds of a speculative and of a plain step of one shape (averaged)."""
+
+    __slots__ = ("spec", "plain")
+
+    def __init__(self, decay: float):
+        self.spec = Ema(decay)
+        self.plain = Ema(decay)
+
+
+def context_bucket(context: int) -> int:
+    """Steps of contexts within a factor of two cost about the same: the power of two at or
+    above ``context`` (at least 1024)."""
+    return max(1024, 1 << max(0, int(context) - 1).bit_length())
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes up to 8 exactly, then powers of two (a step's cost grows slowly with them)."""
+    return batch_size if batch_size <= 8 else 1 << (batch_size - 1).bit_length()
+
+
+class CostTable:
+    """:class:`StepCosts` per (batch size, context length) bucket, for an engine serving batches.
+
+    A bucket not yet measured has no plain cost, so the controllers first take a plain step
+    there: each bucket's table fills itself from the steps the engine runs anyway.
+    """
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self._costs: dict[tuple[int, int], StepCosts] = {}
+
+    def get(self, batch_size: int, context: int) -> StepCosts:
+        key = (batch_bucket(batch_size), context_bucket(context))
+        costs = self._costs.get(key)
+        if costs is None:
+            costs = self._costs[key] = StepCosts(self.decay)
+        return costs
+
+    def items(self):
+        """((batch bucket, context bucket), costs) for reports."""
+        return sorted(self._costs.items())
+
+
 class AdaptiveController:
     """One request's choice between a speculative and a plain step.
 
     Per step: :meth:`decide`, then the runtime takes that step, measures its wall time and
     reports it with :meth:`record_spec` (tokens it committed, seconds, optionally the draft's
     source: per-source means are kept in :attr:`by_source` for diagnostics) or :meth:`record_plain`.
+    An engine running batches passes each step's shared :class:`StepCosts` to :meth:`decide` and
+    records the step's seconds there itself (``seconds=None`` here).
     """
 
-    def __init__(self, config: AdaptiveConfig):
+    def __init__(self, config: AdaptiveConfig, costs: StepCosts | None = None):
         self.config = config
         self.committed = DecayedMean(config.decay)  # tokens per speculative step (the bonus included)
         self.by_source: dict[str, DecayedMean] = {}
-        self.spec_cost = Ema(config.decay)
-        self.plain_cost = Ema(config.decay)
+        self.costs = costs if costs is not None else StepCosts(config.decay)
         self.spec_steps = 0
         self.plain_steps = 0
         self.probes = 0
@@ -104,35 +156,62 @@ class AdaptiveController:
 
     # -- the decision --------------------------------------------------------------------------
 
-    def worth(self) -> bool:
+    @property
+    def spec_cost(self) -> Ema:
+        return self.costs.spec
+
+    @property
+    def plain_cost(self) -> Ema:
+        return self.costs.plain
+
+    @property
+    def probing(self) -> bool:
+        """The last :meth:`decide` asked for a probe (a speculative step although plain steps win)."""
+        return self._probing
+
+    def expected(self) -> float | None:
+        """Tokens a speculative step is expected to commit (None: no evidence yet)."""
+        return self.committed.value
+
+    def worth(self, costs: StepCosts | None = None) -> bool:
         """Speculating is expected to give at least as many tokens per second as plain steps
         (True while either side has no data: optimistic)."""
-        mean, spec, plain = self.committed.value, self.spec_cost.value, self.plain_cost.value
+        costs = costs or self.costs
+        mean, spec, plain = self.committed.value, costs.spec.value, costs.plain.value
         if mean is None or spec is None or plain is None:
             return True
         return mean * plain >= spec  # mean / spec >= 1 / plain, without dividing by a zero cost
 
-    def decide(self) -> str:
-        """``"speculate"`` or ``"plain"`` for the next step (call once per step)."""
+    def decide(self, costs: StepCosts | None = None) -> str:
+        """``"speculate"`` or ``"plain"`` for the next step (call once per step; ``costs``: the
+        shape's shared costs in an engine)."""
         cfg = self.config
+        costs = costs or self.costs
         self._probing = False
         if self.spec_steps < cfg.warmup:
             return SPECULATE
-        if self.plain_cost.value is None:
+        if costs.plain.value is None:
             return PLAIN  # measure what a plain step costs
-        if self.worth():
+        if self.worth(costs):
             if cfg.refresh_every and self.since_plain >= cfg.refresh_every:
                 return PLAIN  # keep the plain cost current while speculating
             return SPECULATE
-        if self.since_spec * self.plain_cost.value >= self.interval * self.spec_cost.value:
+        spec = costs.spec.value if costs.spec.value is not None else costs.plain.value
+        if self.since_spec * costs.plain.value >= self.interval * spec:
             self._probing = True
             return SPECULATE
         return PLAIN
 
     # -- what the step did ---------------------------------------------------------------------
 
-    def record_spec(self, committed: int, seconds: float, source: str | None = None) -> None:
-        """A speculative step committed ``committed`` tokens in ``seconds``."""
+    def record_spec(self, committed: int, seconds: float | None = None, source: str | None = None,
+                    probe: bool | None = None) -> None:
+        """A speculative step committed ``committed`` tokens in ``seconds`` (None: the engine
+        records the batch's seconds in the shared costs). ``probe``: whether the step was taken as
+        a probe (default: what the last :meth:`decide` said; an engine that decides the next step
+        before recording this one passes it)."""
+        if probe is not None:
+            self._probing = probe
         self._tick()
         self.committed.add(committed)
         if source is not None:
@@ -140,7 +219,8 @@ class AdaptiveController:
             if mean is None:
                 mean = self.by_source[source] = DecayedMean(self.config.decay)
             mean.add(committed)
-        self.spec_cost.add(seconds)
+        if seconds is not None:
+            self.costs.spec.add(seconds)
         self.spec_steps += 1
         self.since_spec = 0
         self.since_plain += 1
@@ -159,11 +239,39 @@ class AdaptiveController:
         for mean in self.by_source.values():
             mean.tick()
 
-    def record_plain(self, seconds: float) -> None:
-        """A plain step (one token) took ``seconds``."""
+    def record_plain(self, seconds: float | None = None) -> None:
+        """A plain step (one token) took ``seconds`` (None: recorded by the engine)."""
         self._tick()
-        self.plain_cost.add(seconds)
+        if seconds is not None:
+            self.costs.plain.add(seconds)
         self.plain_steps += 1
         self.since_spec += 1
         self.since_plain = 0
         self._probing = False
+
+
+def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tuple[str, list[bool]]:
+    """One kind of step for a batch, and which requests take it as a probe.
+
+    Each request's controller decides against the batch shape's ``costs``. If they agree, that
+    is the step. If they differ, the requests' expected tokens decide together: a speculative
+    step of the batch commits the sum of their expectations (an unknown one counts as paying
+    for itself) where a plain step commits one token each, so the batch speculates iff
+    ``sum(E_i) / spec_cost >= n / plain_cost``; a request's due probe or warm-up is served when
+    that holds and deferred otherwise.
+    """
+    kinds = [c.decide(costs) for c in controllers]
+    if all(k == kinds[0] for k in kinds):
+        kind = kinds[0]
+    else:
+        spec, plain = costs.spec.value, costs.plain.value
+        if spec is None or plain is None:
+            kind = SPECULATE if plain is not None else PLAIN
+        else:
+            expected = 0.0
+            for c in controllers:
+                e = c.expected()
+                expected += e if e is not None else spec / plain
+            kind = SPECULATE if expected * plain >= len(controllers) * spec else PLAIN
+    probes = [kind == SPECULATE and c.probing for c in controllers]
+    return kind, probes

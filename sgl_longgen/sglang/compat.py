@@ -99,6 +99,8 @@ GPU_SYMBOLS: tuple[Need, ...] = (
     Need("sglang.srt.layers.attention.flashinfer_backend.PrefillMetadata", "the longgen backend's check mode"),
     Need("sglang.srt.runtime_context.get_parallel", "attention heads per TP rank"),
     Need("sglang.kernels.ops.attention.utils.create_flashinfer_kv_indices_triton", "prefix slots of a verify batch"),
+    Need("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+         "adaptive speculation: the target's width-1 graphs for plain steps"),
 )
 
 # -- hook targets ---------------------------------------------------------------------------------
@@ -170,6 +172,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
                       "init_forward_metadata_out_graph", "init_forward_metadata"),
     # FlashInfer's decode wrapper: a re-plan replaces its plan object (read to skip re-planning).
     "decode_wrapper": ("_plan_info",),
+    # Adaptive speculation's plain steps: a width-1 graph runner installed for their forwards.
+    "plain_graphs": ("decode_cuda_graph_runner", "attn_backend"),
 }
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
+from ..config import GenerateConfig
 from ..core.verify import TreeWalks, Verdict
 from ..methods import Draft
 from .requests import PenaltyDefaults, StepRequest
@@ -29,6 +30,8 @@ class Drafter:
     prefill_capture: CaptureHiddenMode | None = None  # prefill (None: SGLang's default)
     # The contextual penalty a request gets when it does not set one (the draft directory's).
     penalty = PenaltyDefaults()
+    # The draft directory's defaults (``longgen.toml``): adaptive speculation's among them.
+    defaults = GenerateConfig()
 
     def start(self, step: StepRequest):
         """The method's state for a request at its first decode step."""
@@ -72,6 +75,9 @@ class Drafter:
 
     def finish(self, rid: str) -> None:
         """A request left."""
+
+    def drop_queued(self) -> None:
+        """The next step is plain: drop a draft queued ahead for it (if any)."""
 
     def reset(self) -> None:
         """Drop work queued ahead (the batch changed under it, or a hook raised)."""

@@ -69,6 +69,7 @@ class OwlDrafter(Drafter):
         self.env = env
         sa = env.server_args
         draft = inspect_owl_draft_dir(sa.speculative_draft_model_path, sa.model_path)
+        self.defaults = draft.defaults
         o = self.owl = draft.defaults.owl
         width = verify_width(o.tree_size, o.spec)
         if width > env.num_nodes:
@@ -142,7 +143,7 @@ class OwlDrafter(Drafter):
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("the verify forward returned no hidden states for OWL")
-        self._hidden = hidden.view(len(steps), self.env.num_nodes, -1)
+        self._hidden = hidden.view(len(steps), -1, hidden.shape[-1])  # the step's verify width
 
     def observe(self, steps: list[StepRequest], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         hidden, self._hidden = self._hidden, None

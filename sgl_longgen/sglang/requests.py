@@ -160,6 +160,7 @@ class RequestState:
     generator: torch.Generator
     method: Any = None  # the method's own (n-gram pool and partial KV, OWL states, ...)
     failed: bool = False  # its drafting raised: plain decode steps from now on
+    adaptive: Any = None  # adaptive speculation's per-request state (.adaptive.RequestAdaptive)
     last_seen: int = 0  # worker step at which the request was last in a batch
 
 

@@ -174,15 +174,20 @@ class StepClock:
             self._gc_start = None
 
     def _record(self, req, accepted: int) -> None:
-        """Append the step's values on the first token it committed (None on its other tokens)."""
-        info = req.customized_info if req.customized_info is not None else {}
-        committed = len(req.output_ids)
-        for key, value in self.values.items():
-            series = info.setdefault(key, [])
-            if len(series) < committed:
-                series.extend([None] * (committed - len(series)))
-            del series[committed:]
-            series.append(value)
-            series.extend([None] * (accepted - 1))
-        req.customized_info = info
+        append_step_values(req, self.values, accepted)
         self._recorded[req.rid] = self._recorded.get(req.rid, 0) + 1
+
+
+def append_step_values(req, values: dict, accepted: int) -> None:
+    """Put a step's ``values`` in the request's ``meta_info``: on the first token the step
+    committed, None on its other ``accepted - 1`` tokens (SGLang keeps one entry per token)."""
+    info = req.customized_info if req.customized_info is not None else {}
+    committed = len(req.output_ids)
+    for key, value in values.items():
+        series = info.setdefault(key, [])
+        if len(series) < committed:
+            series.extend([None] * (committed - len(series)))
+        del series[committed:]
+        series.append(value)
+        series.extend([None] * (accepted - 1))
+    req.customized_info = info

@@ -75,6 +75,7 @@ class TokenSwiftDrafter(Drafter):
         self.env = env
         sa = env.server_args
         draft = inspect_heads_draft_dir(sa.speculative_draft_model_path, sa.model_path)
+        self.defaults = draft.defaults
         ts = draft.defaults.tokenswift
         self.method = TokenSwift(ts, draft.defaults.suffix)
         sampling = draft.defaults.sampling
@@ -370,6 +371,9 @@ class TokenSwiftDrafter(Drafter):
 
     def before_forward(self) -> None:
         self.pipeline.wait()
+
+    def drop_queued(self) -> None:
+        self.pipeline.reset()
 
     def reset(self) -> None:
         self.pipeline.reset()

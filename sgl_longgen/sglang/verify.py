@@ -1,8 +1,10 @@
 """A step's verification on SGLang: the padded tries through one TARGET_VERIFY forward, one draw
 per node, the walk and the commit, all queued on the device before the host reads anything.
 
-1. Every request's trie is padded to ``speculative_num_draft_tokens`` nodes (SGLang verifies a
-   fixed width per request; padding hangs off the root and is never walked).
+1. Every request's trie is padded to the step's verify width (SGLang verifies a fixed width per
+   request; padding hangs off the root and is never walked): ``speculative_num_draft_tokens``,
+   or 1 for a plain step of adaptive speculation (the root alone, through its own CUDA graph
+   where SGLang captured the target's, see :mod:`.plain_graph`).
 2. Each node's logits become its target distribution (SGLang's logit bias, the node's own
    contextual-penalty window, temperature and SGLang's joint top-k/top-p/min-p) and one token is
    drawn there (:func:`sgl_longgen.core.verify.draw_tree`, the reference runtime's draw).
@@ -39,6 +41,7 @@ class VerifyWindows:
     out_cache_loc: torch.Tensor  # [bs * N] int64: each request's verify window
     custom_mask: torch.Tensor | None  # flat FULL-layout mask, all True until the tries go in
     mask_offsets: list[int]  # where each request's [N, seq_len + N] block starts
+    width: int  # N: nodes per request in this step's verify
 
 
 @dataclass
@@ -61,7 +64,8 @@ class Verifier:
         self.staging = staging
         self.capture_hidden_mode = capture_hidden_mode
         self.full_mask: bool | None = None  # decided at the first step: the backend exists by then
-        self._buffers: dict[int, VerifyBuffers] = {}
+        self._buffers: dict[tuple[int, int], VerifyBuffers] = {}
+        self.graphs_by_width: dict[int, object] = {}  # verify widths with a CUDA-graph runner of their own
         self._windows: VerifyWindows | None = None
         self._last: tuple[list[StepRequest], list[Draft]] | None = None  # for the rehearsal
         self._columns = torch.arange(num_nodes, device=device)  # a verify window's columns
@@ -74,7 +78,7 @@ class Verifier:
 
     # -- inputs ------------------------------------------------------------------------------------
 
-    def prepare(self, batch, steps: list[StepRequest]) -> None:
+    def prepare(self, batch, steps: list[StepRequest], width: int | None = None) -> None:
         """What does not need the tries, queued now (a drafter calls it while its forward runs).
 
         Also fills the verify inputs once from the previous step's tries and drops them: run
@@ -86,7 +90,7 @@ class Verifier:
             # others each step builds SGLang's FULL custom mask ([N, seq_len + N] per request).
             reads_tree_blocks = getattr(self.runner.attn_backend, "reads_tree_blocks", None)
             self.full_mask = not (callable(reads_tree_blocks) and reads_tree_blocks())
-        n = self.num_nodes
+        n = width or self.num_nodes
         table = batch.req_to_token_pool.req_to_token
         windows = [table[s.req.req_pool_idx, s.seq_len : s.seq_len + n] for s in steps]
         # A copy, never a view of the table: the commit permutes the table's window entries.
@@ -98,27 +102,26 @@ class Verifier:
                 offsets.append(total)
                 total += n * (s.seq_len + n)
             custom_mask = torch.ones(total, dtype=torch.bool, device=self.device)
-        self._windows = VerifyWindows(out_cache_loc, custom_mask, offsets)
+        self._windows = VerifyWindows(out_cache_loc, custom_mask, offsets, n)
         last = self._last
-        if last is not None and len(last[1]) == len(steps):
-            self._fill(steps, last[1])
+        if last is not None and len(last[1]) == len(steps) and n == self.num_nodes:
+            self._fill(steps, last[1], n)
 
-    def _buffers_for(self, bs: int) -> VerifyBuffers:
-        buffers = self._buffers.get(bs)
+    def _buffers_for(self, bs: int, n: int) -> VerifyBuffers:
+        buffers = self._buffers.get((bs, n))
         if buffers is None:
-            buffers = self._buffers[bs] = VerifyBuffers(bs, self.num_nodes, self.device)
+            buffers = self._buffers[bs, n] = VerifyBuffers(bs, n, self.device)
         return buffers
 
-    def _fill(self, steps: list[StepRequest], drafts: list[Draft]) -> VerifyBuffers:
+    def _fill(self, steps: list[StepRequest], drafts: list[Draft], n: int) -> VerifyBuffers:
         """The tries' verify inputs in the page-locked host buffer (nothing queued on the device)."""
-        n = self.num_nodes
-        buf = self._buffers_for(len(drafts))
+        buf = self._buffers_for(len(drafts), n)
         tokens, positions, parents, walk_tokens = buf.ints
         for b, (step, draft) in enumerate(zip(steps, drafts)):
             tree = draft.tree
             t, walkable = len(tree), tree.num_walkable
             if t > n:
-                raise RuntimeError(f"draft produced {t} nodes, more than speculative_num_draft_tokens={n}")
+                raise RuntimeError(f"draft produced {t} nodes, more than the verify width {n}")
             pad = n - t
             bits = tree.ancestor_bits()
             bits.extend(1 | (1 << i) for i in range(t, n))  # padding nodes: the root and themselves
@@ -139,9 +142,10 @@ class Verifier:
         if self._windows is None:
             self.prepare(batch, steps)
         windows, self._windows = self._windows, None
-        n = self.num_nodes
-        buf = self._fill(steps, drafts)
-        self._last = (steps, drafts)
+        n = windows.width
+        buf = self._fill(steps, drafts, n)
+        if n == self.num_nodes:
+            self._last = (steps, drafts)
         buf.device.copy_(buf.host, non_blocking=True)
         if windows.custom_mask is not None:
             for b, (step, offset) in enumerate(zip(steps, windows.mask_offsets)):
@@ -155,7 +159,12 @@ class Verifier:
         batch.out_cache_loc = windows.out_cache_loc
         batch.spec_info = spec
         before_forward(batch)
-        result = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        graphs = self.graphs_by_width.get(n)
+        if graphs is None:
+            result = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        else:
+            with graphs.installed():
+                result = self.target_worker.forward_batch_generation(batch, is_verify=True)
         return Launched(result, buf, spec)
 
     # -- draws, walk, commit ---------------------------------------------------------------------------
@@ -166,8 +175,8 @@ class Verifier:
         Queued on the device without a host sync; nodes a walk never draws at (padding, leaves)
         hold any value.
         """
-        n, vocab = self.num_nodes, self.vocab_size
-        bs = len(steps)
+        vocab, bs = self.vocab_size, len(steps)
+        n = logits.shape[0] // bs
         logits = logits[:, :vocab].view(bs, n, vocab)
         info = batch.sampling_info
         root_sglang = None
@@ -221,7 +230,7 @@ class Verifier:
         # Permuting the window's entries commits the path without touching the KV: SGLang frees
         # and reuses over-allocated slots through the row, and the root stays in place.
         rows = batch.req_pool_indices[:, None]
-        cols = seq_lens[:, None] + self._columns
+        cols = seq_lens[:, None] + self._columns[: draws.shape[1]]
         table[rows, cols] = table[rows, cols].gather(1, walks.order)
         return walks
 
@@ -262,7 +271,7 @@ class Verifier:
     def logprobs(self, batch, logits_output, drafts: list[Draft], drawn: np.ndarray, verdicts: list[Verdict]) -> None:
         from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
 
-        n = self.num_nodes
+        n = drawn.shape[1]
         predict = torch.zeros(len(drafts) * n, dtype=torch.int64)
         accept_index = torch.full((len(drafts), n), -1, dtype=torch.int64)
         for b, (draft, verdict) in enumerate(zip(drafts, verdicts)):

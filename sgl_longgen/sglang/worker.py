@@ -10,6 +10,11 @@ A prefill is SGLang's own target step. A decode step is, in order (:meth:`SpecWo
 4. **observe**: the method learns what was committed; the results go to SGLang's scheduler
    (``accept_lens`` counts the bonus token).
 
+With adaptive speculation (:mod:`.adaptive`) a step may be plain instead: no draft, the roots
+alone through a width-1 verify (its own CUDA graph on GPUs, :mod:`.plain_graph`), the same
+draws and commit. Whichever kind a step is, the next one's is decided before a drafter may queue
+its draft behind the commit, so no draft is queued for a plain step.
+
 Requests whose sampling settings cannot be carried along a draft path (SGLang's count-based
 penalties, grammars, foreign logit processors, logprobs) get a root-only trie: one exact token
 per step from SGLang's own processing of the root. So does a request whose drafting raised: the
@@ -27,15 +32,18 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from .. import env
+from ..core.adaptive import SPECULATE
 from ..methods import Draft
 from . import compat
+from .adaptive import AdaptiveSteps, server_config
 from .buffers import Staging
 from .drafter import Drafter
 from .host_profile import HostProfile
 from .inputs import relay_input
 from .penalty import ContextualPenaltyProcessor
+from .plain_graph import capture_plain_graphs
 from .requests import RequestTable, StepRequest, activate_penalty_defaults
-from .timing import StepClock
+from .timing import StepClock, append_step_values
 from .verify import Launched, Verifier
 
 logger = logging.getLogger(__name__)
@@ -90,6 +98,7 @@ class SpecWorker(BaseSpecWorker):
         self.requests = RequestTable(self.device, int(server_args.random_seed or 0))
         self.verifier = Verifier(target_worker, self.num_nodes, self.env.vocab_size, self.device, staging,
                                  self.drafter.verify_capture)
+        self.adaptive = AdaptiveSteps(server_config(self.drafter.defaults.adaptive))
         self.host_profile = HostProfile.from_env()
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
 
@@ -105,6 +114,13 @@ class SpecWorker(BaseSpecWorker):
     def init_attention_backends(self):
         # SGLang has built the target's pools and attention backend by now.
         compat.require_fields("model_runner_ready", self.env.runner)
+
+    def init_cuda_graphs(self):
+        """After SGLang captured the target's verify graphs: the width-1 graphs of plain steps,
+        where adaptive speculation may take them (a request may ask for it, so always)."""
+        graphs = capture_plain_graphs(self.env.runner, self.num_nodes)
+        if graphs is not None:
+            self.verifier.graphs_by_width[graphs.width] = graphs
 
     def clear_cache_pool(self):
         self.drafter.reset()
@@ -132,6 +148,7 @@ class SpecWorker(BaseSpecWorker):
 
     def extend(self, batch, on_publish) -> GenerationBatchResult:
         """Prefill (or any non-decode batch): a plain target step, exactly SGLang's sampling."""
+        self.adaptive.broke()
         for req in batch.reqs:
             self.requests.pop(req.rid)  # a (re-)prefilled request starts its speculation afresh
         res = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=self.drafter.prefill_capture)
@@ -156,9 +173,16 @@ class SpecWorker(BaseSpecWorker):
         clock = self.clock
         clock.start(batch.reqs)
         steps = self._begin(batch)
+        speculate = self.adaptive.begin(steps) == SPECULATE
         clock.section("setup")
 
-        drafts = self._draft(batch, steps)
+        if speculate:
+            drafts = self._draft(batch, steps)
+        else:  # a plain step: the roots alone, no draft forward
+            self.drafter.drop_queued()
+            self.verifier.prepare(batch, steps, width=1)
+            drafts = [Draft.root_only(step.root) for step in steps]
+        clock.note("plain_step", float(not speculate))
         clock.phase("draft")
 
         seq_lens = batch.seq_lens  # the verify windows start here (the forward may rebind it)
@@ -174,7 +198,10 @@ class SpecWorker(BaseSpecWorker):
         draws = self.verifier.draw(batch, steps, drafts, logits_output.next_token_logits)
         walks = self.verifier.walk_and_commit(batch, seq_lens, draws, launched.inputs)
         read_back = self.verifier.read_back(draws, walks.count)
-        self._guarded("after_walk", steps, self.drafter.after_walk, batch, steps, drafts, walks)
+        # The next step's kind, before anything is queued for it.
+        ahead = self.adaptive.plan(steps, self.num_nodes) == SPECULATE
+        if ahead:
+            self._guarded("after_walk", steps, self.drafter.after_walk, batch, steps, drafts, walks)
         clock.section("accept_queue")
         drawn, counts = read_back()
         clock.phase("verify")  # ends when the verify forward's draws are on the host
@@ -184,7 +211,15 @@ class SpecWorker(BaseSpecWorker):
             step.history = step.history.extended(verdict.tokens)
         clock.section("walk")
         self._guarded("observe", steps, self.drafter.observe, steps, drafts, verdicts)
-        self._guarded("after_commit", steps, self.drafter.after_commit, batch, steps, verdicts)
+        if ahead:
+            self._guarded("after_commit", steps, self.drafter.after_commit, batch, steps, verdicts)
+        else:
+            self.drafter.drop_queued()
+        reports = self.adaptive.record(steps, [len(v.tokens) for v in verdicts],
+                                       SPECULATE if speculate else "plain")
+        for step, verdict, report in zip(steps, verdicts, reports):
+            if report is not None:
+                append_step_values(step.req, report, len(verdict.tokens))
         clock.section("observe")
 
         result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)

@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from sgl_longgen.config import AdaptiveConfig, GenerateConfig, load_generate_config
-from sgl_longgen.core.adaptive import PLAIN, SPECULATE, AdaptiveController
+from sgl_longgen.core.adaptive import (PLAIN, SPECULATE, AdaptiveController, CostTable, StepCosts, context_bucket,
+                                       decide_batch)
 from sgl_longgen.errors import LonggenError
 
 PLAIN_COST = 1.0
@@ -130,3 +131,53 @@ def test_settings_are_checked_and_errors_name_the_field():
             load_generate_config(None, {"adaptive": bad})
     with pytest.raises(msgspec.ValidationError, match="probe_max"):
         msgspec.convert({"probe_every": 64, "probe_max": 32}, AdaptiveConfig)
+
+
+# -- batches: one kind of step, shared costs -------------------------------------------------------
+
+
+def batch_controllers(n: int, committed: list[float], spec: float, plain: float):
+    """``n`` controllers past warm-up with the given acceptance, and costs of one batch shape."""
+    costs = StepCosts(0.9)
+    costs.spec.add(spec)
+    costs.plain.add(plain)
+    ctrls = [AdaptiveController(AdaptiveConfig(), costs) for _ in range(n)]
+    for c, k in zip(ctrls, committed):
+        c.record_spec(k)
+        c.record_plain()
+    return ctrls, costs
+
+
+def test_a_batch_speculates_when_the_requests_together_pay_for_it():
+    # One request accepts a lot, three nothing: 5 + 3 = 8 tokens per 2.0 s beat 4 per 1.0 s.
+    ctrls, costs = batch_controllers(4, [5, 1, 1, 1], spec=2.0, plain=1.0)
+    assert decide_batch(ctrls, costs)[0] == SPECULATE
+    # ... not when the speculative step costs more than the tokens it brings.
+    ctrls, costs = batch_controllers(4, [5, 1, 1, 1], spec=2.1, plain=1.0)
+    assert decide_batch(ctrls, costs)[0] == PLAIN
+    # Agreement needs no arithmetic.
+    ctrls, costs = batch_controllers(2, [1, 1], spec=2.0, plain=1.0)
+    assert decide_batch(ctrls, costs)[0] == PLAIN
+
+
+def test_a_shared_cost_table_is_recorded_by_the_engine_not_the_requests():
+    ctrls, costs = batch_controllers(2, [3, 3], spec=2.0, plain=1.0)
+    ctrls[0].record_spec(3)  # no seconds: the engine records the batch's
+    assert costs.spec.value == 2.0 and ctrls[0].spec_cost is costs.spec
+    table = CostTable(0.9)
+    assert table.get(1, 3000) is table.get(1, 4096)  # one bucket per power of two
+    assert table.get(1, 5000) is not table.get(1, 4096)
+    assert table.get(12, 4096) is table.get(16, 4096) is not table.get(8, 4096)
+    assert context_bucket(10) == 1024 and context_bucket(98_304) == 131_072
+
+
+def test_a_probe_decided_before_the_last_step_is_recorded_counts_as_a_probe():
+    """The engine decides step k+1 before recording step k: the probe flag travels explicitly."""
+    cfg = AdaptiveConfig(probe_every=2, probe_growth=4.0)
+    ctrl = AdaptiveController(cfg)
+    ctrl.record_spec(1, 3.0)
+    for _ in range(6):
+        ctrl.record_plain(1.0)
+    assert ctrl.decide() == SPECULATE and ctrl.probing
+    ctrl.record_spec(1, 3.0, probe=True)  # the probe did not pay: the interval grows
+    assert ctrl.probes == 1 and ctrl.interval == 8

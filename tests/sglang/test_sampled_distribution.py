@@ -18,12 +18,16 @@ Two statistics, both must pass:
 
 Temperature 1.5 with ``top_k`` 4 keeps the categories few while the likeliest token is not too
 likely (about 0.4): the flatter the law, the more a lean toward it shows.
+
+``TOKENSWIFT-adaptive`` runs TOKENSWIFT with adaptive speculation on: the batch's steps are a mix
+of plain and speculative ones, decided from measured times, and the law must not change.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -32,6 +36,7 @@ import torch
 from scipy.stats import chi2, chi2_contingency
 
 from helpers import fit_drafter
+from sgl_longgen import env
 from sgl_longgen.runtime import load_model
 from sgl_longgen.runtime.model import ForwardSpec
 from sglang_harness import engine_args, model_path, spec_args, stop
@@ -40,22 +45,31 @@ PROMPT = [256, 5, 6, 7, 8, 9, 5, 6, 7]
 NEW_TOKENS = 4
 SAMPLING = {"max_new_tokens": NEW_TOKENS, "temperature": 1.5, "top_k": 4, "ignore_eos": True}
 PLAIN_RUNS = 12_000
-RUNS = {"TOKENSWIFT": 4_000, "OWL": 1_500, "HOWL": 1_500}
+RUNS = {"TOKENSWIFT": 4_000, "OWL": 1_500, "HOWL": 1_500, "TOKENSWIFT-adaptive": 1_500}
 # Disjoint seed ranges: the samples must be independent of one another.
-FIRST_SEED = {"plain": 1_000_000, "fit": 2_000_000, "TOKENSWIFT": 0, "OWL": 100_000, "HOWL": 200_000}
+FIRST_SEED = {"plain": 1_000_000, "fit": 2_000_000, "TOKENSWIFT": 0, "OWL": 100_000, "HOWL": 200_000,
+              "TOKENSWIFT-adaptive": 300_000}
 BATCH = dict(max_running_requests=128, max_total_tokens=32768)
 DRAFT_VOCAB = 48  # HOWL's reduced head, of the tiny model's 258 tokens
 ALPHA = 1e-3
 BIAS = 0.05
 
 
-def sample(engine, runs: int, first_seed: int) -> tuple[np.ndarray, float]:
-    """``runs`` continuations of the prompt (one row each) and the mean acceptance length."""
-    params = [{**SAMPLING, "sampling_seed": first_seed + i} for i in range(runs)]
+def sample(engine, runs: int, first_seed: int, **extra) -> tuple[np.ndarray, float, list[dict]]:
+    """``runs`` continuations of the prompt (one row each), the mean acceptance length, the meta infos."""
+    params = [{**SAMPLING, **extra, "sampling_seed": first_seed + i} for i in range(runs)]
     out = engine.generate(input_ids=[PROMPT] * runs, sampling_params=params)
     assert all(len(o["output_ids"]) == NEW_TOKENS for o in out)
     accept = float(np.mean([o["meta_info"].get("spec_accept_length", 1.0) for o in out]))
-    return np.array([o["output_ids"] for o in out]), accept
+    return np.array([o["output_ids"] for o in out]), accept, [o["meta_info"] for o in out]
+
+
+def step_kinds(metas: list[dict]) -> tuple[int, int]:
+    """Speculative and plain steps over a sample (adaptive speculation's per-request report)."""
+    def final(meta, key):
+        return [v for v in meta[key] if v is not None][-1]
+
+    return (sum(final(m, "longgen_spec_steps") for m in metas), sum(final(m, "longgen_plain_steps") for m in metas))
 
 
 @contextlib.contextmanager
@@ -75,7 +89,7 @@ def plain_run() -> tuple[np.ndarray, torch.Tensor]:
     """The plain engine's sample, and a few longer continuations (other seeds) to fit OWL's drafters on."""
     longer = [{**SAMPLING, "max_new_tokens": 16, "sampling_seed": FIRST_SEED["fit"] + i} for i in range(64)]
     with running(**engine_args(**BATCH)) as engine:
-        samples, _ = sample(engine, PLAIN_RUNS, FIRST_SEED["plain"])
+        samples, _, _ = sample(engine, PLAIN_RUNS, FIRST_SEED["plain"])
         out = engine.generate(input_ids=[PROMPT] * len(longer), sampling_params=longer)
     return samples, torch.tensor([PROMPT + o["output_ids"] for o in out])
 
@@ -113,7 +127,15 @@ def speculative(plain_run, target, tmp_path_factory):
     almost nothing accepted, and the verifier's draws would never be put to the test."""
 
     @functools.cache
-    def run(algorithm: str) -> tuple[np.ndarray, float]:
+    def run(algorithm: str) -> tuple[np.ndarray, float, list[dict]]:
+        if algorithm == "TOKENSWIFT-adaptive":
+            os.environ[env.name("ADAPTIVE")] = "1"  # read when the scheduler builds the worker
+            try:
+                with running(**spec_args(**BATCH)) as engine:
+                    return sample(engine, RUNS[algorithm], FIRST_SEED[algorithm],
+                                  custom_params={"longgen_report": True})
+            finally:
+                del os.environ[env.name("ADAPTIVE")]
         if algorithm == "TOKENSWIFT":
             args = spec_args(**BATCH)
         else:
@@ -194,11 +216,16 @@ def lean_toward_the_draft(samples: np.ndarray, likeliest, rng: np.random.Generat
 # tests
 
 
-@pytest.mark.parametrize("algorithm", ["TOKENSWIFT", "OWL", "HOWL"])
+@pytest.mark.parametrize("algorithm", ["TOKENSWIFT", "OWL", "HOWL", "TOKENSWIFT-adaptive"])
 def test_sampled_tokens_follow_the_plain_engines_law(algorithm, plain, speculative, likeliest):
-    samples, accept = speculative(algorithm)
-    # Drafts were accepted: tokens 2-4 came out of the verifier's walk, not from single steps.
-    assert accept > 1.2, accept
+    samples, accept, metas = speculative(algorithm)
+    if algorithm.endswith("adaptive"):
+        spec, plain_steps = step_kinds(metas)
+        assert spec > 0 and plain_steps > 0, (spec, plain_steps)  # both kinds of step drew tokens
+        assert accept > 1.05, accept
+    else:
+        # Drafts were accepted: tokens 2-4 came out of the verifier's walk, not from single steps.
+        assert accept > 1.2, accept
     p = pvalues(plain, samples, likeliest)
     print(f"{algorithm}: acceptance {accept:.2f}, p {p}")
     assert min(p.values()) > ALPHA, p
@@ -208,7 +235,7 @@ def test_the_sample_size_catches_a_5_percent_lean_toward_the_draft(plain, specul
     """The same statistics at TOKENSWIFT's sample size reject its own samples once 5% of the
     verifier's draws lean toward the draft. If this passed on honest samples too, the honest test
     above would prove nothing about small biases; if the honest test failed, so would this margin."""
-    samples, _ = speculative("TOKENSWIFT")
+    samples, _, _ = speculative("TOKENSWIFT")
     biased = lean_toward_the_draft(samples, likeliest, np.random.default_rng(0))
     changed = np.mean((biased != samples).any(axis=1))
     assert 0.05 < changed < 0.15, changed  # about 3 draws x 5% x (1 - P(likeliest)) of the requests

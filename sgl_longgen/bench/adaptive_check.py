@@ -1,0 +1,151 @@
+"""GPU check of adaptive speculation (a host with SGLang; dummy 8B-shaped weights; no network).
+
+Per engine (plain decoding on SGLang's default backend, then each ``--algorithms`` with
+``SGLANG_LONGGEN_ADAPTIVE=1``), ms per generated token, measured as the wall time of an
+``N + 1``-token request less a 1-token one (the prefill), radix cache off:
+
+* ``sampled``: temperature 1 at each ``--contexts`` length. Dummy weights' distributions are
+  flat, so drafts are almost never accepted: the controller should fall back to plain steps
+  (goal: within 1.05x of plain decoding);
+* ``greedy``: dummy weights' greedy text loops, the repetitive upper bound for drafting, with the
+  controller (``auto``) and with speculation forced on every step (``on``, the fixed setting);
+* ``batch``: ``--batch`` concurrent sampled requests at ``--batch-context``: aggregate tokens/s.
+
+Each speculative request asks for the adaptive report; the last step's running figures
+(speculative/plain steps, tau, the shape's measured step costs) go in the JSON beside the times.
+
+    python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms TOKENSWIFT
+    python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms OWL HOWL --skip-plain
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from .. import env
+from ..sglang.engine import open_engine, stop_engine
+from .gpu_check import make_checkpoints, make_owl_drafter
+
+REPORT_KEYS = ("longgen_spec_steps", "longgen_plain_steps", "longgen_tau", "longgen_spec_ms", "longgen_plain_ms")
+
+
+def engine(model: Path, algorithm: str | None, draft: Path | None, args):
+    kw = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True, mem_fraction_static=0.8,
+              context_length=131072, log_level="warning", random_seed=0, chunked_prefill_size=16384,
+              disable_radix_cache=True, max_running_requests=max(4, args.batch),
+              cuda_graph_max_bs_decode=max(4, args.batch), cuda_graph_backend_prefill="disabled")
+    if algorithm is not None:
+        kw.update(speculative_algorithm=algorithm, speculative_num_draft_tokens=args.draft_tokens,
+                  disable_overlap_schedule=True)
+        if draft is not None:
+            kw.update(speculative_draft_model_path=str(draft))
+    return open_engine(**kw)
+
+
+def final_report(meta: dict) -> dict:
+    out = {}
+    for key in REPORT_KEYS:
+        values = [v for v in meta.get(key, []) if v is not None]
+        if values:
+            out[key[len("longgen_"):]] = values[-1]
+    return out
+
+
+def ms_per_token(eng, prompts: list[list[int]], params: dict, n: int, prefill_s: float) -> tuple[float, list[dict]]:
+    """Wall ms per generated token over ``prompts`` run together (``n`` new tokens each, after the first)."""
+    t = time.time()
+    out = eng.generate(input_ids=prompts, sampling_params=[{**params, "max_new_tokens": n + 1}] * len(prompts))
+    wall = time.time() - t - prefill_s
+    out = out if isinstance(out, list) else [out]
+    return wall / n * 1e3, [final_report(o["meta_info"]) for o in out]
+
+
+def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts: list[list[int]]) -> dict:
+    custom = {"custom_params": {"longgen_report": True}} if spec else {}
+    sampled = {"temperature": 1.0, "ignore_eos": True, **custom}
+    greedy = {"temperature": 0.0, "ignore_eos": True, **custom}
+    result: dict = {}
+    for L, prompt in prompts.items():
+        eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})  # warm-up
+        t = time.time()
+        eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+        prefill = time.time() - t
+        row: dict = {"prefill_s": round(prefill, 3)}
+        row["sampled_ms"], rep = ms_per_token(eng, [prompt], sampled, args.tokens, prefill)
+        row["sampled_report"] = rep[0]
+        row["greedy_ms"], rep = ms_per_token(eng, [prompt], greedy, args.tokens, prefill)
+        row["greedy_report"] = rep[0]
+        if spec:
+            on = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on"}}
+            row["greedy_on_ms"], rep = ms_per_token(eng, [prompt], on, args.tokens, prefill)
+            row["greedy_on_report"] = rep[0]
+        print(f"  {L}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
+        result[str(L)] = row
+    if args.batch:
+        t = time.time()
+        eng.generate(input_ids=batch_prompts, sampling_params=[{"max_new_tokens": 1}] * len(batch_prompts))
+        prefill = time.time() - t
+        ms, reps = ms_per_token(eng, batch_prompts, sampled, args.tokens, prefill)
+        result["batch"] = {"context": args.batch_context, "requests": len(batch_prompts), "prefill_s": round(prefill, 3),
+                           "tokens_per_s": round(len(batch_prompts) * 1e3 / ms, 1), "reports": reps}
+        print(f"  {len(batch_prompts)} x {args.batch_context}: {result['batch']['tokens_per_s']} tokens/s", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("adaptive_check.json"))
+    p.add_argument("--algorithms", nargs="*", default=["TOKENSWIFT", "OWL", "HOWL"],
+                   choices=("TOKENSWIFT", "OWL", "HOWL"))
+    p.add_argument("--skip-plain", action="store_true", help="keep the plain engine's figures already in --out")
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 98304])
+    p.add_argument("--tokens", type=int, default=256, help="timed tokens per request")
+    p.add_argument("--batch", type=int, default=4, help="concurrent requests of the batch check (0: none)")
+    p.add_argument("--batch-context", type=int, default=32768)
+    p.add_argument("--draft-tokens", type=int, default=64)
+    p.add_argument("--budget", type=int, default=4096)
+    p.add_argument("--owl-width", type=int, default=1024)
+    p.add_argument("--owl-draft-vocab", type=int, default=32768)
+    args = p.parse_args(argv)
+
+    report = json.loads(args.out.read_text()) if args.out.exists() else {}
+    root = Path(tempfile.mkdtemp(prefix="longgen_adaptive_"))
+    model, heads = make_checkpoints(root, args.budget)
+    rng = random.Random(0)
+    vocab = 128256
+    prompts = {L: [rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in args.contexts}
+    batch_prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(args.batch_context)] for _ in range(args.batch)]
+    runs = ([] if args.skip_plain else [None]) + list(args.algorithms)
+    for algorithm in runs:
+        draft = None
+        if algorithm == "TOKENSWIFT":
+            draft = heads
+        elif algorithm in ("OWL", "HOWL"):
+            draft = make_owl_drafter(root, args.owl_width, args.owl_draft_vocab)
+        name = algorithm or "plain"
+        print(f"{name}:", flush=True)
+        if algorithm is not None:
+            os.environ[env.name("ADAPTIVE")] = "1"
+        t = time.time()
+        try:
+            eng = engine(model, algorithm, draft, args)
+        finally:
+            os.environ.pop(env.name("ADAPTIVE"), None)
+        start = round(time.time() - t, 1)
+        try:
+            report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}
+        finally:
+            stop_engine(eng)
+        args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,206 @@
+"""Adaptive speculation in the SGLang worker: each decode step is speculative or plain, per batch.
+
+The rule is the reference runtime's (:mod:`sgl_longgen.core.adaptive`, why it is lossless there);
+what differs in a serving engine:
+
+* **Costs are the batch's.** Every request of a step pays the same wall time, so the seconds
+  are kept per (batch size, context length) bucket (:class:`~sgl_longgen.core.adaptive.CostTable`)
+  and measured as the step's whole cycle: from one decode call to the next, so the scheduler's
+  own time between steps counts for both kinds alike. A prefill in between drops the sample.
+* **One kind per step.** :func:`~sgl_longgen.core.adaptive.decide_batch` combines the requests'
+  controllers.
+* **Decided a step ahead.** Drafters queue the next draft behind this step's commit; if the next
+  step is plain that draft would be wasted, so the next step's kind is decided before the queueing
+  (from the steps before this one: lossless all the same, the choice never sees a token it
+  governs) and kept if the batch is unchanged at the next step.
+* **A plain step** is a verify of the root alone (a width-1 TARGET_VERIFY: on a GPU its own CUDA
+  graph, see :mod:`.plain_graph`), the draws and commit of every other step, no draft forward.
+
+Per request, ``custom_params``:
+
+* ``longgen_speculation``: ``"auto"`` (the controller decides), ``"on"`` (always speculate, as
+  without adaptive speculation), ``"off"`` (never: one exact token per step). The server's
+  default is ``"auto"`` when the draft directory's ``[adaptive] enabled`` is true or
+  ``SGLANG_LONGGEN_ADAPTIVE=1``, else ``"on"``.
+* ``longgen_report``: true to get, on the first token of each step in ``meta_info``, the request's
+  running ``longgen_spec_steps``, ``longgen_plain_steps``, ``longgen_tau`` (tokens per
+  speculative step), ``longgen_expected_tokens`` (the controller's estimate) and the shape's
+  measured ``longgen_spec_ms`` / ``longgen_plain_ms``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from .. import env
+from ..config import AdaptiveConfig
+from ..core.adaptive import PLAIN, SPECULATE, AdaptiveController, CostTable, StepCosts, decide_batch
+
+AUTO, ON, OFF = "auto", "on", "off"
+MODES = (AUTO, ON, OFF)
+SPECULATION_OFF = "speculation off (longgen_speculation)"
+# A cycle this many times the shape's known cost is not a step's price (the server idled).
+OUTLIER = 20.0
+
+
+def server_config(defaults: AdaptiveConfig) -> AdaptiveConfig:
+    """The draft directory's ``[adaptive]``, with ``SGLANG_LONGGEN_ADAPTIVE`` (0/1) overriding ``enabled``."""
+    value = env.get("ADAPTIVE")
+    if value is None:
+        return defaults
+    if value not in ("0", "1"):
+        raise ValueError(f"{env.name('ADAPTIVE')} must be 0 or 1, got {value!r}")
+    return msgspec.structs.replace(defaults, enabled=value == "1")
+
+
+def request_mode(req, default: str) -> str:
+    params = req.sampling_params.custom_params or {}
+    mode = params.get("longgen_speculation", default)
+    if mode not in MODES:
+        raise ValueError(f"request {req.rid}: longgen_speculation must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass
+class RequestAdaptive:
+    """One request's adaptive state (kept in its :class:`~.requests.RequestState`)."""
+
+    mode: str
+    controller: AdaptiveController | None
+    report: bool
+    spec_steps: int = 0
+    plain_steps: int = 0
+    spec_tokens: int = 0
+
+
+@dataclass
+class _Step:
+    kind: str
+    probes: dict[str, bool] = field(default_factory=dict)
+    costs: StepCosts | None = None
+    started: float = 0.0
+
+
+class AdaptiveSteps:
+    """The worker's choice of each step's kind, its cost table and the per-request reports."""
+
+    def __init__(self, config: AdaptiveConfig):
+        self.config = config
+        self.default = AUTO if config.enabled else ON
+        self.costs = CostTable(config.decay)
+        self._current: _Step | None = None  # the step in progress, then the last one (its cycle)
+        self._planned: tuple[frozenset, str, dict[str, bool]] | None = None
+
+    # -- per request -------------------------------------------------------------------------
+
+    def state(self, step) -> RequestAdaptive:
+        rs = step.state
+        if rs.adaptive is None:
+            mode = request_mode(step.req, self.default)
+            params = step.req.sampling_params.custom_params or {}
+            rs.adaptive = RequestAdaptive(mode, AdaptiveController(self.config) if mode == AUTO else None,
+                                          bool(params.get("longgen_report", False)))
+        return rs.adaptive
+
+    # -- the step's kind ---------------------------------------------------------------------
+
+    def begin(self, steps) -> str:
+        """The kind of the step about to run; records the last step's cycle time."""
+        now = time.perf_counter()
+        last = self._current
+        if last is not None and last.costs is not None:
+            ema = last.costs.spec if last.kind == SPECULATE else last.costs.plain
+            seconds = now - last.started
+            if ema.value is None or seconds <= OUTLIER * ema.value:
+                ema.add(seconds)
+        states = [self.state(s) for s in steps]
+        for s, st in zip(steps, states):
+            if st.mode == OFF and s.blocker is None:
+                s.blocker = SPECULATION_OFF
+        planned, self._planned = self._planned, None
+        rids = frozenset(s.rid for s in steps)
+        costs = self._costs(steps, 0)
+        if planned is not None and planned[0] == rids:
+            kind, probes = planned[1], planned[2]
+        else:
+            kind, probes = self._decide(steps, states, costs)
+        self._current = _Step(kind, probes, costs, now)
+        return kind
+
+    def plan(self, steps, width: int) -> str:
+        """Decide the next step's kind now (before a drafter queues its draft)."""
+        states = [self.state(s) for s in steps]
+        kind, probes = self._decide(steps, states, self._costs(steps, width))
+        self._planned = (frozenset(s.rid for s in steps), kind, probes)
+        return kind
+
+    def broke(self) -> None:
+        """Something other than a decode step ran (a prefill): no cycle to time, no plan."""
+        self._current = None
+        self._planned = None
+
+    def _costs(self, steps, ahead: int) -> StepCosts:
+        return self.costs.get(len(steps), max(s.seq_len for s in steps) + ahead)
+
+    def _decide(self, steps, states: list[RequestAdaptive], costs: StepCosts) -> tuple[str, dict[str, bool]]:
+        modes = [st.mode for st in states]
+        if ON in modes and all(st.mode != AUTO for st in states):
+            return SPECULATE, {}
+        if all(m == OFF for m in modes):
+            return PLAIN, {}
+        auto = [(s, st) for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
+        if ON in modes:
+            kind = SPECULATE
+            probes = {}
+            for s, st in auto:
+                st.controller.decide(costs)
+                probes[s.rid] = st.controller.probing
+            return kind, probes
+        if not auto:  # every request blocked or off: nothing to draft
+            return PLAIN, {}
+        kind, flags = decide_batch([st.controller for _, st in auto], costs)
+        return kind, {s.rid: p for (s, _), p in zip(auto, flags)}
+
+    # -- what the step did -------------------------------------------------------------------
+
+    def record(self, steps, counts: list[int], kind: str) -> list[dict]:
+        """Each request's outcome; returns the report values of the requests that asked."""
+        probes = self._current.probes if self._current is not None else {}
+        costs = self._current.costs if self._current is not None else None
+        reports = []
+        for s, n in zip(steps, counts):
+            st = self.state(s)
+            if kind == SPECULATE:
+                st.spec_steps += 1
+                st.spec_tokens += n
+            else:
+                st.plain_steps += 1
+            c = st.controller
+            if c is not None and s.blocker is None:
+                if kind == SPECULATE:
+                    c.record_spec(n, probe=probes.get(s.rid, False))
+                else:
+                    c.record_plain()
+            if st.report:
+                reports.append(self._report(st, costs))
+            else:
+                reports.append(None)
+        return reports
+
+    @staticmethod
+    def _report(st: RequestAdaptive, costs: StepCosts | None) -> dict:
+        def ms(ema):
+            return None if ema is None or ema.value is None else round(ema.value * 1e3, 3)
+
+        expected = st.controller.expected() if st.controller is not None else None
+        return {
+            "longgen_spec_steps": st.spec_steps,
+            "longgen_plain_steps": st.plain_steps,
+            "longgen_tau": round(st.spec_tokens / st.spec_steps, 3) if st.spec_steps else None,
+            "longgen_expected_tokens": None if expected is None else round(expected, 3),
+            "longgen_spec_ms": ms(costs.spec if costs else None),
+            "longgen_plain_ms": ms(costs.plain if costs else None),
+        }

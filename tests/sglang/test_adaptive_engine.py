@@ -1,0 +1,102 @@
+"""Adaptive speculation in the SGLang worker: plain steps where drafts do not pay, the output unchanged.
+
+One TOKENSWIFT engine with ``SGLANG_LONGGEN_ADAPTIVE=1`` (the server default becomes ``auto``);
+requests override it with ``custom_params {"longgen_speculation": ...}`` and ask for the
+per-step report with ``longgen_report``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_longgen import env
+from sglang_harness import PROMPTS, check_budgets, greedy, spec_args, stop
+
+NEW_TOKENS = 96
+REPORT = {"longgen_report": True}
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine():
+    import os
+
+    import sglang as sgl
+
+    os.environ[env.name("ADAPTIVE")] = "1"  # read when the scheduler builds the worker
+    try:
+        engine = sgl.Engine(**spec_args())
+    finally:
+        del os.environ[env.name("ADAPTIVE")]
+    yield engine
+    stop(engine)
+
+
+def last(meta: dict, key: str):
+    """The request's final running value of a per-step report series."""
+    values = [v for v in meta[key] if v is not None]
+    return values[-1]
+
+
+def steps_of(meta: dict) -> tuple[int, int]:
+    return last(meta, "longgen_spec_steps"), last(meta, "longgen_plain_steps")
+
+
+def params(n: int, **custom) -> dict:
+    return greedy(n, custom_params={**REPORT, **custom})
+
+
+def test_greedy_output_is_plain_decodings_whatever_the_mix(plain_engine, adaptive_engine):
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    got = adaptive_engine.generate(input_ids=PROMPTS, sampling_params=params(NEW_TOKENS))
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g in got:
+        meta = g["meta_info"]
+        spec, plain = steps_of(meta)
+        # Every step is counted once, and the report's steps are SGLang's verify steps.
+        assert spec + plain == meta["spec_verify_ct"]
+        assert spec >= 1  # the warm-up step speculates
+        assert last(meta, "longgen_plain_ms") is not None or plain == 0
+
+
+def test_per_request_override(plain_engine, adaptive_engine):
+    want = plain_engine.generate(input_ids=PROMPTS[:2], sampling_params=greedy(NEW_TOKENS))
+    off = adaptive_engine.generate(input_ids=PROMPTS[:2], sampling_params=params(NEW_TOKENS, longgen_speculation="off"))
+    on = adaptive_engine.generate(input_ids=PROMPTS[:2], sampling_params=params(NEW_TOKENS, longgen_speculation="on"))
+    for w, o, s in zip(want, off, on):
+        assert o["output_ids"] == w["output_ids"] == s["output_ids"]
+        assert steps_of(o["meta_info"]) == (0, NEW_TOKENS - 1)  # one token per step (the prefill drew one)
+        assert steps_of(s["meta_info"])[1] == 0
+
+
+def test_a_bad_override_is_refused_and_the_server_goes_on(plain_engine, adaptive_engine):
+    want = plain_engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(8))
+    with pytest.raises(Exception, match="longgen_speculation"):
+        adaptive_engine.generate(input_ids=PROMPTS[0], sampling_params=params(8, longgen_speculation="sometimes"))
+    again = adaptive_engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(8))
+    assert again["output_ids"] == want["output_ids"]
+
+
+def spec_share(outputs: list[dict]) -> float:
+    spec = sum(steps_of(o["meta_info"])[0] for o in outputs)
+    plain = sum(steps_of(o["meta_info"])[1] for o in outputs)
+    return spec / (spec + plain)
+
+
+def test_plain_steps_where_drafts_do_not_pay_drafting_where_they_do(adaptive_engine):
+    """Sampled at temperature 1 the random-init model's text is noise to the heads and n-grams:
+    after the first measurements most steps are plain. Greedy from a prompt in the model's own
+    loop, the n-gram drafts are accepted and most steps speculate."""
+    sampling = {"max_new_tokens": 160, "temperature": 1.0, "ignore_eos": True, "custom_params": REPORT}
+    noise = adaptive_engine.generate(input_ids=PROMPTS, sampling_params=[{**sampling, "sampling_seed": i}
+                                                                         for i in range(len(PROMPTS))])
+    assert all(len(o["output_ids"]) == 160 for o in noise)
+    loop = adaptive_engine.generate(input_ids=[[256] + [41, 182, 48] * 40], sampling_params=params(160))
+    noisy, looping = spec_share(noise), spec_share(loop)
+    print(f"share of speculative steps: sampled {noisy:.2f}, looping greedy {looping:.2f}")
+    assert noisy < 1 / 3
+    assert looping > 1 / 2
+    assert last(loop[0]["meta_info"], "longgen_tau") > 2.0
+
+
+def test_token_budgets_with_plain_steps(plain_engine, adaptive_engine):
+    check_budgets(plain_engine, adaptive_engine)

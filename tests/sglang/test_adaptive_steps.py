@@ -1,0 +1,101 @@
+"""The worker's step planner: one kind per batch, decided a step ahead, per-request overrides."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_longgen.config import AdaptiveConfig
+from sgl_longgen.core.adaptive import PLAIN, SPECULATE
+from sgl_longgen.sglang.adaptive import SPECULATION_OFF, AdaptiveSteps
+from sgl_longgen.sglang.validation import check_custom_params
+
+
+class Request:
+    def __init__(self, rid: str, **custom):
+        self.req = SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=custom or None))
+        self.state = SimpleNamespace(adaptive=None)
+        self.rid = rid
+
+    def step(self, seq_len: int = 100):
+        return SimpleNamespace(rid=self.rid, req=self.req, state=self.state, seq_len=seq_len, blocker=None)
+
+
+def run(planner: AdaptiveSteps, reqs, kinds_committed, clock):
+    """Steps as the worker takes them; ``clock`` advances by each step's synthetic cost."""
+    kinds = []
+    for _ in range(kinds_committed["steps"]):
+        steps = [r.step() for r in reqs]
+        kind = planner.begin(steps)
+        kinds.append(kind)
+        planner.plan(steps, 64)
+        n = kinds_committed[kind]
+        planner.record(steps, [n] * len(steps), kind)
+        clock.now += kinds_committed["cost"][kind]
+    return kinds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("sgl_longgen.sglang.adaptive.time.perf_counter", lambda: clock.now)
+    return clock
+
+
+def test_off_by_default_every_step_speculates(clock):
+    planner = AdaptiveSteps(AdaptiveConfig())
+    kinds = run(planner, [Request("a")], {"steps": 20, SPECULATE: 1, PLAIN: 1,
+                                          "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    assert set(kinds) == {SPECULATE}
+
+
+def test_auto_goes_plain_when_drafts_do_not_pay_and_stays_when_they_do(clock):
+    losing = run(AdaptiveSteps(AdaptiveConfig(enabled=True)), [Request("a")],
+                 {"steps": 200, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    assert losing.count(PLAIN) > 150
+    paying = run(AdaptiveSteps(AdaptiveConfig(enabled=True)), [Request("b")],
+                 {"steps": 200, SPECULATE: 5, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    assert paying.count(SPECULATE) > 180
+
+
+def test_the_cycle_is_measured_from_decode_to_decode_and_a_prefill_drops_it(clock):
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    r = Request("a")
+    planner.begin([r.step()])  # speculate (warm-up)
+    clock.now += 2.5
+    planner.broke()  # a prefill ran in between: not this step's price
+    planner.begin([r.step()])
+    assert planner.costs.get(1, 100).spec.value is None
+    clock.now += 2.0
+    planner.begin([r.step()])
+    assert planner.costs.get(1, 100).spec.value == pytest.approx(2.0)
+
+
+def test_overrides_per_request(clock):
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    off, on, auto = Request("off", longgen_speculation="off"), Request("on", longgen_speculation="on"), Request("x")
+    steps = [off.step(), auto.step()]
+    assert planner.begin(steps) == SPECULATE  # auto's warm-up; off drafts nothing
+    assert steps[0].blocker == SPECULATION_OFF and steps[1].blocker is None
+    assert AdaptiveSteps(AdaptiveConfig()).begin([Request("o", longgen_speculation="off").step()]) == PLAIN
+    # "on" wins over any estimate: with a request that always speculates the batch speculates.
+    kinds = run(planner, [on, auto], {"steps": 50, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}},
+                clock)
+    assert set(kinds) == {SPECULATE}
+
+
+def test_a_plan_holds_only_for_the_batch_it_was_made_for(clock):
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    a, b = Request("a"), Request("b")
+    planner._planned = (frozenset({"a"}), PLAIN, {})
+    assert planner.begin([a.step()]) == PLAIN  # planned for this batch: kept
+    planner._planned = (frozenset({"a"}), PLAIN, {})
+    assert planner.begin([a.step(), b.step()]) == SPECULATE  # b joined: decided afresh (b warms up)
+
+
+def test_bad_overrides_are_refused_before_the_scheduler():
+    check_custom_params({"custom_params": {"longgen_speculation": "auto"}})
+    check_custom_params([{"max_new_tokens": 3}, None])
+    with pytest.raises(ValueError, match="longgen_speculation"):
+        check_custom_params([{}, {"custom_params": {"longgen_speculation": "sometimes"}}])
