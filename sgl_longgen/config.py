@@ -181,8 +181,9 @@ class AdaptiveConfig(Strict):
     while speculating, one plain step in that many re-measures the plain cost (0: never). The mix
     of steps follows measured times, so a sampled run's seed no longer pins its output (greedy
     output is always plain decoding's), which is why it is off by default: runs, resumed batch jobs
-    included, stay reproducible unless it is asked for. The reference runtime only for now; the
-    SGLang workers ignore it.
+    included, stay reproducible unless it is asked for. In SGLang (a draft directory's
+    ``longgen.toml`` or ``SGLANG_LONGGEN_ADAPTIVE=1``) one kind of step per batch, from costs measured
+    per batch size and context length; requests override it (see :mod:`sgl_longgen.sglang.adaptive`).
     """
 
     enabled: bool = False

@@ -8,8 +8,8 @@ at several times the price, and speculative decoding runs slower than plain deco
 
     speculate  iff  E[tokens committed per speculative step] / spec_cost  >=  1 / plain_cost
 
-with both costs measured by the runtime (wall seconds of each kind of step, exponentially
-averaged) and the expectation an exponentially decayed mean of what past speculative steps
+with both costs measured by the runtime (wall seconds of each kind of step, the median of the
+recent ones) and the expectation an exponentially decayed mean of what past speculative steps
 committed. While plain steps win it still takes a speculative *probe* once the plain steps since
 the last speculative step took ``interval`` times as long as a speculative step, so the statistics
 follow the text while probing costs at most ``1 / (interval + 1)`` of the time: the interval starts
@@ -74,27 +74,37 @@ class DecayedMean:
         return self.total / self.weight if self.weight > 0 else None
 
 
-class Ema:
-    """Exponential moving average of samples (the first sample initialises it)."""
+class RecentMedian:
+    """The lower median of the last ``size`` samples.
 
-    __slots__ = ("decay", "value")
+    Step costs carry one-off spikes (a kernel compiled at its first launch, a request's first
+    draft scoring its whole context): an average keeps such a spike for tens of steps and can
+    hold speculation off (or on) long after it passed; a median of recent samples drops it once
+    a few ordinary steps followed, and still follows a cost that grows with the context.
+    """
 
-    def __init__(self, decay: float):
-        self.decay = decay
+    __slots__ = ("size", "samples", "value")
+
+    def __init__(self, size: int = 5):
+        self.size = size
+        self.samples: list[float] = []
         self.value: float | None = None
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.decay * self.value + (1.0 - self.decay) * x
+        self.samples.append(x)
+        del self.samples[: -self.size]
+        ordered = sorted(self.samples)
+        self.value = ordered[(len(ordered) - 1) // 2]
 
 
 class StepCosts:
-    """Measured seconds of a speculative and of a plain step of one shape (averaged)."""
+    """Measured seconds of a speculative and of a plain step of one shape (recent medians)."""
 
     __slots__ = ("spec", "plain")
 
-    def __init__(self, decay: float):
-        self.spec = Ema(decay)
-        self.plain = Ema(decay)
+    def __init__(self, decay: float | None = None):
+        self.spec = RecentMedian()
+        self.plain = RecentMedian()
 
 
 def context_bucket(context: int) -> int:
@@ -157,11 +167,11 @@ class AdaptiveController:
     # -- the decision --------------------------------------------------------------------------
 
     @property
-    def spec_cost(self) -> Ema:
+    def spec_cost(self) -> RecentMedian:
         return self.costs.spec
 
     @property
-    def plain_cost(self) -> Ema:
+    def plain_cost(self) -> RecentMedian:
         return self.costs.plain
 
     @property

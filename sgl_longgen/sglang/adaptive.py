@@ -6,7 +6,10 @@ what differs in a serving engine:
 * **Costs are the batch's.** Every request of a step pays the same wall time, so the seconds
   are kept per (batch size, context length) bucket (:class:`~sgl_longgen.core.adaptive.CostTable`)
   and measured as the step's whole cycle: from one decode call to the next, so the scheduler's
-  own time between steps counts for both kinds alike. A prefill in between drops the sample.
+  own time between steps counts for both kinds alike. A prefill in between drops the sample, and
+  so does a speculative step in which a request takes one of its first ``SETTLE`` (its first
+  drafts set up its method: TOKENSWIFT scores the whole context to select its partial KV, half
+  a second at 98K on an H100, once per request and selection, not the price of a step).
 * **One kind per step.** :func:`~sgl_longgen.core.adaptive.decide_batch` combines the requests'
   controllers.
 * **Decided a step ahead.** Drafters queue the next draft behind this step's commit; if the next
@@ -44,6 +47,7 @@ MODES = (AUTO, ON, OFF)
 SPECULATION_OFF = "speculation off (longgen_speculation)"
 # A cycle this many times the shape's known cost is not a step's price (the server idled).
 OUTLIER = 20.0
+SETTLE = 2  # a request's first speculative steps set its method up: they do not price a step
 
 
 def server_config(defaults: AdaptiveConfig) -> AdaptiveConfig:
@@ -82,6 +86,7 @@ class _Step:
     probes: dict[str, bool] = field(default_factory=dict)
     costs: StepCosts | None = None
     started: float = 0.0
+    priced: bool = True  # its cycle is a sample of its shape's cost
 
 
 class AdaptiveSteps:
@@ -111,7 +116,7 @@ class AdaptiveSteps:
         """The kind of the step about to run; records the last step's cycle time."""
         now = time.perf_counter()
         last = self._current
-        if last is not None and last.costs is not None:
+        if last is not None and last.costs is not None and last.priced:
             ema = last.costs.spec if last.kind == SPECULATE else last.costs.plain
             seconds = now - last.started
             if ema.value is None or seconds <= OUTLIER * ema.value:
@@ -171,6 +176,8 @@ class AdaptiveSteps:
         probes = self._current.probes if self._current is not None else {}
         costs = self._current.costs if self._current is not None else None
         reports = []
+        if kind == SPECULATE and self._current is not None:
+            self._current.priced = all(self.state(s).spec_steps >= SETTLE or s.blocker is not None for s in steps)
         for s, n in zip(steps, counts):
             st = self.state(s)
             if kind == SPECULATE:
