@@ -35,6 +35,7 @@ from .folded_decode import FoldedPrefixDecode, fold_supported, workspace_bytes
 from .merge import folded_strides, merge_split_states, merge_two_states_strided, token_head_strides
 from .prefix_attention import PrefixKernelConfig, prefix_attention_partials, prefix_kernel_config
 from .tree_attention import tree_attention
+from .verify_scores import prefix_logit_scores
 
 PREFIX_BACKENDS = ("auto", "fa3", "triton", "flashinfer_fold")
 
@@ -115,6 +116,7 @@ class HybridTreeAttention:
         prefix_lens_host: Optional[Sequence[int]] = None,
         prefix_config: Optional[PrefixKernelConfig] = None,
         max_prefix_len: Optional[int] = None,
+        score_rows: int = 0,
     ) -> str:
         """Fix the metadata of one verification step (shared by all layers).
 
@@ -129,6 +131,8 @@ class HybridTreeAttention:
             max_prefix_len: a bound of the prefix lengths known on the host, also under CUDA
                 graphs (no launch shape depends on it): the FA3 path refills its page table
                 only that far.
+            score_rows: the ``score_rows`` that ``run`` will be asked for selection scores with
+                (0: none), so that the Triton path's first row tile holds those rows.
 
         Returns the chosen prefix path, ``"fa3"``, ``"triton"`` or ``"flashinfer_fold"``.
         """
@@ -156,7 +160,8 @@ class HybridTreeAttention:
         else:
             max_len = max(prefix_lens_host) if prefix_lens_host and not self.use_cuda_graph else None
             self.prefix_config = prefix_config or prefix_kernel_config(
-                batch_size, self.num_kv_heads, tree_size * self.group, self.head_dim, self.device, max_prefix_len=max_len
+                batch_size, self.num_kv_heads, tree_size * self.group, self.head_dim, self.device, max_prefix_len=max_len,
+                min_block_m=score_rows * self.group,
             )
         self._planned = True
         return self.path
@@ -231,12 +236,19 @@ class HybridTreeAttention:
         out: Optional[torch.Tensor] = None,
         lse: Optional[torch.Tensor] = None,
         sm_scale: Optional[float] = None,
+        scores: torch.Tensor | None = None,
+        score_rows: int = 2,
     ) -> torch.Tensor:
         """Attention output ``[bs*T, Hq, D]`` (``q``'s dtype unless ``out`` is given).
 
         ``lse`` (fp32 ``[bs*T, Hq]``), when given, receives the base-2 LSE of the whole row.
         ``sm_scale`` overrides the planned scale on the Triton and FA3 paths (per-layer
         scales); the folded path bakes the scale into FlashInfer's plan, so there it must match.
+        ``scores`` (fp32 ``[bs, Hkv, >= longest prefix]``), when given, receives the
+        verification-guided selection scores of every prefix key (mean logit of the first
+        ``score_rows`` tree rows over the KV head's query heads, see
+        :mod:`sgl_longgen.kernels.verify_scores`): fused into the Triton prefix pass, a separate
+        key-only pass on the FA3 and folded paths. The attention output does not change.
         """
         if not self._planned:
             raise RuntimeError("plan() must be called before run()")
@@ -247,15 +259,17 @@ class HybridTreeAttention:
             out = torch.empty_like(q)
         if sm_scale is None:
             sm_scale = self.sm_scale
+        if scores is not None and self.path != "triton":
+            prefix_logit_scores(q, k_buffer, self.kv_indptr, self.kv_indices, scores, sm_scale, score_rows=score_rows)
         if self.path == "flashinfer_fold":
             if abs(sm_scale - self.sm_scale) > 1e-12 * max(1.0, abs(sm_scale)):
                 raise ValueError("the folded path was planned with a different sm_scale")
             return self._run_folded(q, k_buffer, v_buffer, k_tree, v_tree, out, lse)
         if self.path == "fa3":
             return self._run_fa3(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
-        return self._run_triton(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
+        return self._run_triton(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale, scores, score_rows)
 
-    def _run_triton(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
+    def _run_triton(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale, scores=None, score_rows=2):
         cfg = self.prefix_config
         num_tokens = q.shape[0]
         # One fp32 state per KV chunk plus the tree part in the last slot, reduced in one pass.
@@ -265,7 +279,7 @@ class HybridTreeAttention:
         part_lse = torch.empty(num_tokens, self.num_qo_heads, cfg.num_splits + 1, dtype=torch.float32, device=q.device)
         prefix_attention_partials(
             q, k_buffer, v_buffer, self.kv_indptr, self.kv_indices, self.tree_size,
-            part_o, part_lse, sm_scale, cfg,
+            part_o, part_lse, sm_scale, cfg, scores=scores, score_rows=score_rows,
         )
         tree_attention(
             q, k_tree, v_tree, self.tree_mask, sm_scale,

@@ -18,6 +18,14 @@ from its own prefix length, so the grid does not depend on the lengths (CUDA-gra
 Each chunk writes a partial state (normalised output, base-2 LSE) into ``[num_tokens, Hq, S, D]``
 and ``[num_tokens, Hq, S]`` fp32 buffers; ``merge.merge_split_states`` reduces them (and any extra
 state such as the tree part written into the same buffers).
+
+Optionally the kernel also writes verification-guided selection scores (SpecAttn, see
+:mod:`sgl_longgen.kernels.verify_scores`): for each prefix key, the pre-softmax logit
+``q.k * sm_scale`` of the first ``score_rows`` draft tokens of the request, averaged over those
+rows and the ``G`` query heads of the key's KV head, into ``scores[b, kv_head, j]`` (fp32). The
+logits are already in registers, every key belongs to exactly one chunk, and the score rows lie in
+the first row tile, so the output costs one masked row sum per tile and one store per key, no
+extra read of the KV.
 """
 
 from __future__ import annotations
@@ -31,7 +39,15 @@ import triton
 import triton.language as tl
 
 from .merge import merge_split_states
-from .triton_common import LOG2_E, check_head_dim, interpreting, next_pow2, upcast_dots
+from .triton_common import (
+    LN_2,
+    LOG2_E,
+    check_head_dim,
+    interpreting,
+    next_pow2,
+    upcast_dots,
+)
+from .verify_scores import check_scores
 
 MAX_SPLITS = 64
 
@@ -55,10 +71,14 @@ def _attend_prefix_tile(
     d,
     d_ok,
     qk_scale,
+    score_ptr,
+    score_on,
+    score_w,
     BLOCK_N: tl.constexpr,
     TAIL: tl.constexpr,
     EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCORE_ROWS: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < end_n
@@ -81,6 +101,10 @@ def _attend_prefix_tile(
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
+    if SCORE_ROWS > 0:  # noqa: SIM102 - compile-time branch around a run-time one
+        if score_on:
+            # score_w: 1 / (rows * G) * ln(2) on the score rows, 0 elsewhere; s is in base 2.
+            tl.store(score_ptr + offs_n, tl.sum(s * score_w[:, None], 0), mask=n_ok)
     if TAIL:
         s = tl.where(n_ok[None, :], s, float("-inf"))
     # Every tile holds at least one key, so m_new is finite.
@@ -110,6 +134,7 @@ def _prefix_split_kernel(
     KvIndices,
     PartO,
     PartLse,
+    Scores,
     stride_q_tok,
     stride_q_head,
     stride_k_slot,
@@ -122,7 +147,10 @@ def _prefix_split_kernel(
     stride_pl_tok,
     stride_pl_head,
     stride_pl_split,
+    stride_s_req,
+    stride_s_head,
     qk_scale,  # sm_scale * log2(e)
+    score_scale,  # ln(2) / (SCORE_ROWS * GROUP): base-2 logit sums to natural-log means
     tree_size,
     num_kv_heads,
     GROUP: tl.constexpr,
@@ -133,6 +161,7 @@ def _prefix_split_kernel(
     NUM_SPLITS: tl.constexpr,
     EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCORE_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -165,18 +194,25 @@ def _prefix_split_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     slot_ptr = KvIndices + kv_lo
+    # The score rows (draft tokens t < SCORE_ROWS, all G heads) are rows [0, SCORE_ROWS*G) of the
+    # first row tile (the launcher checks they fit): only pid_m == 0 writes scores.
+    score_on = pid_m == 0
+    score_w = tl.where(rows < SCORE_ROWS * GROUP, score_scale, 0.0)
+    score_ptr = Scores + req.to(tl.int64) * stride_s_req + kv_head * stride_s_head
 
     for start_n in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_prefix_tile(
             acc, m_i, l_i, q, K_buf, V_buf, slot_ptr, start_n, end, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, d, d_ok, qk_scale,
-            BLOCK_N=BLOCK_N, TAIL=False, EVEN_D=EVEN_D, UPCAST=UPCAST,
+            score_ptr, score_on, score_w,
+            BLOCK_N=BLOCK_N, TAIL=False, EVEN_D=EVEN_D, UPCAST=UPCAST, SCORE_ROWS=SCORE_ROWS,
         )
     if full_end < end:
         acc, m_i, l_i = _attend_prefix_tile(
             acc, m_i, l_i, q, K_buf, V_buf, slot_ptr, full_end, end, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, d, d_ok, qk_scale,
-            BLOCK_N=BLOCK_N, TAIL=True, EVEN_D=EVEN_D, UPCAST=UPCAST,
+            score_ptr, score_on, score_w,
+            BLOCK_N=BLOCK_N, TAIL=True, EVEN_D=EVEN_D, UPCAST=UPCAST, SCORE_ROWS=SCORE_ROWS,
         )
 
     # An empty chunk (short prefix) contributes nothing: o = 0, lse = -inf.
@@ -225,8 +261,12 @@ def prefix_kernel_config(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    min_block_m: int = 0,
 ) -> PrefixKernelConfig:
     """Tile sizes and split count for ``T*G = rows_per_kv_head`` query rows per KV head.
+
+    ``min_block_m``: rows the first row tile must hold (``score_rows * G`` when the launch also
+    writes selection scores, see :func:`prefix_attention_partials`).
 
     Row tiles up to 128 (two warpgroups of MMA rows on Hopper); the number of KV chunks fills the
     GPU with about one wave of programs: 128-row tiles keep one program per SM (registers and
@@ -241,6 +281,7 @@ def prefix_kernel_config(
         block_n = block_n or 256
     if block_m is None:
         block_m = min(128, max(16, next_pow2(rows_per_kv_head)))
+    block_m = max(block_m, next_pow2(min_block_m))
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     if num_warps is None:
@@ -272,15 +313,28 @@ def prefix_attention_partials(
     part_lse: torch.Tensor,
     sm_scale: float,
     config: PrefixKernelConfig,
+    scores: torch.Tensor | None = None,
+    score_rows: int = 2,
 ) -> None:
     """Write the ``config.num_splits`` partial states of the prefix into ``part_o[:, :, :S]`` and
-    ``part_lse[:, :, :S]`` (fp32, last dim of ``part_o`` contiguous)."""
+    ``part_lse[:, :, :S]`` (fp32, last dim of ``part_o`` contiguous).
+
+    ``scores`` (fp32 ``[bs, Hkv, >= longest prefix]``, last dim contiguous), when given, receives
+    for each request's prefix key ``j`` the logit ``q.k_j * sm_scale`` averaged over the request's
+    first ``score_rows`` draft tokens and the query heads of the KV head (the fused twin of
+    :func:`sgl_longgen.kernels.verify_scores.prefix_logit_scores`); entries past a request's
+    prefix are left as they are. Needs ``score_rows * G <= config.block_m``.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     bs = kv_indptr.numel() - 1
     group = num_q_heads // num_kv_heads
     if num_tokens != bs * tree_size:
         raise ValueError(f"q has {num_tokens} rows, expected bs*T = {bs}*{tree_size}")
+    if scores is not None:
+        check_scores(scores, bs, num_kv_heads, tree_size, score_rows)
+        if score_rows * group > config.block_m:
+            raise ValueError(f"score rows ({score_rows} x {group} heads) do not fit one row tile of {config.block_m}")
     if k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
         raise ValueError(f"the KV pool ({k_buffer.dtype}) must have the query dtype ({q.dtype})")
     if part_o.shape[2] < config.num_splits or part_lse.shape[2] < config.num_splits:
@@ -297,6 +351,7 @@ def prefix_attention_partials(
         kv_indices,
         part_o,
         part_lse,
+        part_lse if scores is None else scores,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -309,7 +364,10 @@ def prefix_attention_partials(
         part_lse.stride(0),
         part_lse.stride(1),
         part_lse.stride(2),
+        0 if scores is None else scores.stride(0),
+        0 if scores is None else scores.stride(1),
         sm_scale * LOG2_E,
+        0.0 if scores is None else LN_2 / (score_rows * group),
         tree_size,
         num_kv_heads,
         GROUP=group,
@@ -320,6 +378,7 @@ def prefix_attention_partials(
         NUM_SPLITS=config.num_splits,
         EVEN_D=max(16, next_pow2(head_dim)) == head_dim,
         UPCAST=upcast_dots(_prefix_split_kernel),
+        SCORE_ROWS=0 if scores is None else score_rows,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -336,6 +395,8 @@ def prefix_attention(
     config: Optional[PrefixKernelConfig] = None,
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
+    scores: torch.Tensor | None = None,
+    score_rows: int = 2,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of each request's ``T`` queries over its paged prefix.
 
@@ -345,6 +406,7 @@ def prefix_attention(
         kv_indptr: ``[bs+1]`` int32; kv_indices: int32 pool slots of the prefixes.
         config: launch shape (``prefix_kernel_config`` by default).
         out, lse: optional outputs ``[bs*T, Hq, D]`` and fp32 ``[bs*T, Hq]``.
+        scores, score_rows: optional selection scores (see :func:`prefix_attention_partials`).
 
     Returns:
         ``(out, lse)`` with the base-2 LSE; a request with an empty prefix gets ``0`` and ``-inf``.
@@ -358,13 +420,16 @@ def prefix_attention(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     if config is None:
+        group = num_q_heads // k_buffer.shape[1]
         config = prefix_kernel_config(
-            bs, k_buffer.shape[1], tree_size * (num_q_heads // k_buffer.shape[1]), head_dim, q.device
+            bs, k_buffer.shape[1], tree_size * group, head_dim, q.device,
+            min_block_m=score_rows * group if scores is not None else 0,
         )
     part_o = torch.empty(num_tokens, num_q_heads, config.num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_tokens, num_q_heads, config.num_splits, dtype=torch.float32, device=q.device)
     prefix_attention_partials(
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, tree_size, part_o, part_lse, sm_scale, config
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, tree_size, part_o, part_lse, sm_scale, config,
+        scores=scores, score_rows=score_rows,
     )
     if out is None:
         out = torch.empty_like(q)

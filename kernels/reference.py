@@ -88,6 +88,41 @@ def tree_attention_reference(
     return torch.cat(outs, dim=0), torch.cat(lses, dim=0)
 
 
+def prefix_logit_scores_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    score_rows: int = 2,
+    sm_scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Verification-guided selection scores (SpecAttn): ``[bs, Hkv, max prefix len]`` in ``dtype``.
+
+    ``scores[b, h, j]``: the logit ``q.k_j * sm_scale`` of each of request ``b``'s first
+    ``score_rows`` draft tokens and each query head reading KV head ``h``, averaged over those
+    ``score_rows * G`` logits. Every logit is formed on its own before the mean (the kernels use
+    the mean's linearity). Entries past a request's prefix are NaN.
+    """
+    bs = kv_indptr.numel() - 1
+    tree_size = q.shape[0] // bs
+    num_q_heads, num_kv_heads = q.shape[1], k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    indptr = kv_indptr.tolist()
+    lens = [indptr[b + 1] - indptr[b] for b in range(bs)]
+    out = torch.full((bs, num_kv_heads, max(lens, default=0)), float("nan"), dtype=dtype, device=q.device)
+    for b in range(bs):
+        slots = kv_indices[indptr[b] : indptr[b + 1]].long()
+        rows = q[b * tree_size : b * tree_size + score_rows].to(dtype)  # [R, Hq, D]
+        keys = k_buffer[slots].to(dtype).repeat_interleave(group, dim=1)  # [n, Hq, D]
+        logits = torch.einsum("rhd,nhd->rhn", rows, keys) * sm_scale  # [R, Hq, n]
+        per_kv = logits.reshape(score_rows, num_kv_heads, group, -1)
+        out[b, :, : lens[b]] = per_kv.mean(dim=(0, 2))
+    return out
+
+
 def lse_natural_to_base2(lse: torch.Tensor) -> torch.Tensor:
     """FlashInfer and this package's kernels report ``log2(sum(exp(s)))``."""
     return lse / math.log(2.0)

@@ -80,6 +80,17 @@ class PartialKVConfig(Strict):
     # engine with one KV index list per request (SGLang's) can pass to its attention. "head": one
     # set per (layer, KV head), as in the paper; the reference runtime only.
     granularity: Literal["head", "shared"] = "shared"
+    # Where the selection comes from. "tokenswift": the paper's rule, the draft root's query scores
+    # the whole context once the positions committed since the last selection fill the budget
+    # (every ``budget - sinks`` tokens). "verify" (SpecAttn's verification-guided selection): every
+    # verify forward also yields the pre-softmax logits of two tree rows (the root and the first
+    # draft token) against the committed keys, averaged over query heads, and their top positions
+    # per layer ("shared": per layer; "head": per layer and KV head) become the next draft's partial
+    # KV: refreshed every step from queries closer to what the draft predicts, at the cost of one
+    # score row per key in the verify. The first draft after the prompt still uses the "tokenswift"
+    # rule (no verify has run yet). Either way the selection only changes the draft, never the
+    # verify, so the output is the same. The reference runtime only for now.
+    policy: Literal["tokenswift", "verify"] = "tokenswift"
 
     def __post_init__(self) -> None:
         if self.sinks >= self.budget:
@@ -134,6 +145,26 @@ class OwlConfig(Strict):
     spec: bool = True
     prefill_spec: bool = True
     beam: Literal["fused", "compiled", "torch"] = "fused"
+
+
+class LongSpecConfig(Strict):
+    """LongSpec: a one-block drafter (sliding-window self-attention over its own tokens,
+    cross-attention into the target's committed last-layer KV) expands a beam tree.
+
+    ``widths``: nodes kept per level (LongSpec's ``[4, 16, 16, 16, 16]``): level 1 is the root's
+    ``widths[0]`` likeliest tokens, level i the ``widths[i-1]`` likeliest (parent, token) pairs
+    below level i - 1 by cumulative drafter log-probability. ``tree_size``: draft nodes verified
+    (the root excluded), the best of the pool by the same score, closed under ancestors; the
+    default keeps 63 of the 68, a verify forward of 64 rows. The window size is the checkpoint's
+    (``longspec.json``): it fixes the drafter's memory per request.
+    """
+
+    widths: list[Annotated[int, Meta(ge=1, le=1024)]] = msgspec.field(default_factory=lambda: [4, 16, 16, 16, 16])
+    tree_size: Annotated[int, Meta(ge=1, le=1024)] = 63
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.widths) <= 64:
+            raise ValueError(f"widths must list 1 to 64 levels, got {len(self.widths)}")
 
 
 class SuffixConfig(Strict):
@@ -212,13 +243,14 @@ class RuntimeConfig(Strict):
 class GenerateConfig(Strict):
     """Everything ``sgl-longgen generate`` needs besides the model and the prompt."""
 
-    method: Literal["ar", "tokenswift", "owl", "howl"] = "tokenswift"
+    method: Literal["ar", "tokenswift", "owl", "howl", "longspec"] = "tokenswift"
     max_new_tokens: PosInt = 2048
     seed: int = 0
     ignore_eos: bool = False
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     tokenswift: TokenSwiftConfig = msgspec.field(default_factory=TokenSwiftConfig)
     owl: OwlConfig = msgspec.field(default_factory=OwlConfig)
+    longspec: LongSpecConfig = msgspec.field(default_factory=LongSpecConfig)
     suffix: SuffixConfig = msgspec.field(default_factory=SuffixConfig)
     howl: HowlConfig = msgspec.field(default_factory=HowlConfig)
     adaptive: AdaptiveConfig = msgspec.field(default_factory=AdaptiveConfig)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from sgl_longgen.core.longspec import LongSpecDrafter
 from sgl_longgen.core.owl import OwlDrafter
 from sgl_longgen.core.tree import DraftTree
 from sgl_longgen.runtime.model import Transformer
+from sgl_longgen.training.longspec import longspec_loss
 from sgl_longgen.training.owl import new_drafter, owl_loss
 
 
@@ -43,6 +45,25 @@ def fit_drafter(model: Transformer, sequences: torch.Tensor, steps: int, *, widt
     for _ in range(steps):
         loss, _ = owl_loss(model, drafter, sequences, spec_dropout=spec_dropout, spec_weight=1.0,
                            spec_target="next", generator=gen)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return drafter.eval().requires_grad_(False)
+
+
+def fit_longspec(model: Transformer, sequences: torch.Tensor, steps: int, *, window: int = 512, max_lag: int = 5,
+                 lr: float = 1e-2, seed: int = 0) -> LongSpecDrafter:
+    """A LongSpec drafter fitted to given token sequences of the (frozen) target in a few full-batch
+    steps: the loss of ``train longspec`` (vanilla positions, a random lag per step), no data pipeline."""
+    gen = torch.Generator().manual_seed(seed)
+    drafter = LongSpecDrafter.for_target(model.config, window=window)
+    drafter.reset_parameters(gen, final_norm=model.model.norm.weight)
+    drafter = drafter.to(dtype=model.dtype, device=sequences.device).train()
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    positions = torch.arange(sequences.shape[1]).expand(sequences.shape[0], -1)
+    for _ in range(steps):
+        lag = int(torch.randint(1, max_lag + 1, (), generator=gen)) if max_lag else 0
+        loss, _ = longspec_loss(model, drafter, sequences, positions, lag)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -155,7 +155,8 @@ def eval_argv(args: argparse.Namespace, methods: list[str], decoding: str, promp
             "--penalties", *(repr(float(t)) for t in args.penalties)]
     for m in methods:
         argv += ["--method", m]
-    for flag, value in (("--heads", args.heads), ("--drafter", args.drafter), ("--config", config),
+    for flag, value in (("--heads", args.heads), ("--drafter", args.drafter),
+                        ("--longspec-drafter", args.longspec_drafter), ("--config", config),
                         ("--dtype", args.dtype), ("--penalty-window", args.penalty_window), ("--seed", args.seed),
                         ("--prompt-file", prompt_file)):
         if value is not None:

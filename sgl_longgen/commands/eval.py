@@ -21,7 +21,7 @@ from pathlib import Path
 from ..config import GenerateConfig
 from ..errors import LonggenError
 from ..runtime import build_decoder, load_model, resolve_model
-from .generate import add_model_args, add_sampling_args, drafter_dir_for, read_prompts, resolve_config
+from .generate import add_model_args, add_sampling_args, drafter_dir_for, longspec_dir_for, read_prompts, resolve_config
 from .progress import TokenProgress
 
 BASELINE = "ar"
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                     torch.set_num_threads(config.runtime.threads)
                 prompts = read_prompts(args, loaded.tokenizer)
             greedy = config.sampling.greedy
-            decoder = build_decoder(loaded, config, heads_dir, drafter_dir_for(args, model_dir))
+            decoder = build_decoder(loaded, config, heads_dir, drafter_dir_for(args, model_dir),
+                                    longspec_dir_for(args, model_dir))
             row = Row(penalty=config.sampling.penalty, method=method)
             for item in prompts:
                 with TokenProgress(config.max_new_tokens, desc=f"theta={row.penalty:g} {method} {item['id']}") as bar:

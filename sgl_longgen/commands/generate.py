@@ -10,7 +10,9 @@ from typing import Any
 
 from ..config import GenerateConfig, load_generate_config, load_toml, merge
 from ..errors import LonggenError
-from ..runtime import build_decoder, default_drafter_dir, default_heads_dir, load_model, resolve_model
+from ..runtime import (
+    build_decoder, default_drafter_dir, default_heads_dir, default_longspec_dir, load_model, resolve_model,
+)
 from ..runtime.embedded import names as embedded_names
 from ..runtime import heads_defaults_file
 from .progress import TokenProgress
@@ -22,6 +24,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help=f"embedded model ({', '.join(embedded_names())}) or an HF checkpoint directory")
     p.add_argument("--heads", type=Path, help="TokenSwift heads directory (default: the model's own tokenswift-heads/)")
     p.add_argument("--drafter", type=Path, help="OWL drafter directory for owl/howl (default: the model's own owl-drafter/)")
+    p.add_argument("--longspec-drafter", type=Path,
+                   help="LongSpec drafter directory for longspec (default: the model's own longspec-drafter/)")
     p.add_argument("--config", type=Path, help="TOML config file (see configs/)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], help="reference runtime dtype")
 
@@ -48,9 +52,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate with the reference runtime (ar, tokenswift, owl or howl)")
+    p = sub.add_parser("generate", help="generate with the reference runtime (ar, tokenswift, owl, howl or longspec)")
     add_model_args(p)
-    p.add_argument("--method", choices=["ar", "tokenswift", "owl", "howl"])
+    p.add_argument("--method", choices=["ar", "tokenswift", "owl", "howl", "longspec"])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="a text file (one prompt) or JSONL ({'id', 'prompt'|'input_ids'})")
@@ -92,7 +96,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve_config(args: argparse.Namespace, model_dir: Path, method: str | None = None) -> tuple[GenerateConfig, Path | None]:
-    """Defaults < the heads' longgen.toml < (owl/howl) the drafter's longgen.toml < --config < flags.
+    """Defaults < the heads' longgen.toml < (owl/howl, longspec) the drafter's longgen.toml < --config < flags.
 
     Returns the config and heads dir.
     """
@@ -111,8 +115,9 @@ def resolve_config(args: argparse.Namespace, model_dir: Path, method: str | None
         return load_generate_config(None, merge(layers, overrides) if layers else overrides)
 
     config = build({})
-    if config.method in ("owl", "howl"):
-        drafter_defaults = heads_defaults_file(drafter_dir_for(args, model_dir))
+    drafter_dir = {"owl": drafter_dir_for, "howl": drafter_dir_for, "longspec": longspec_dir_for}.get(config.method)
+    if drafter_dir is not None:
+        drafter_defaults = heads_defaults_file(drafter_dir(args, model_dir))
         if drafter_defaults is not None:
             config = build(load_toml(drafter_defaults))
     return config, heads_dir
@@ -121,6 +126,11 @@ def resolve_config(args: argparse.Namespace, model_dir: Path, method: str | None
 def drafter_dir_for(args: argparse.Namespace, model_dir: Path) -> Path | None:
     """``--drafter`` or the model's own ``owl-drafter/``."""
     return getattr(args, "drafter", None) or default_drafter_dir(model_dir)
+
+
+def longspec_dir_for(args: argparse.Namespace, model_dir: Path) -> Path | None:
+    """``--longspec-drafter`` or the model's own ``longspec-drafter/``."""
+    return getattr(args, "longspec_drafter", None) or default_longspec_dir(model_dir)
 
 
 def read_prompts(args: argparse.Namespace, tokenizer) -> list[dict[str, Any]]:
@@ -162,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(config.runtime.threads)
-    decoder = build_decoder(loaded, config, heads_dir, drafter_dir_for(args, model_dir))
+    decoder = build_decoder(loaded, config, heads_dir, drafter_dir_for(args, model_dir), longspec_dir_for(args, model_dir))
     prompts = read_prompts(args, loaded.tokenizer)
 
     out = open(args.out, "w") if args.out else None

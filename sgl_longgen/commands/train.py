@@ -1,5 +1,5 @@
 """``sgl-longgen train``: train drafters and models (``train lm``, ``train heads``, ``train proxy``,
-``train owl``).
+``train owl``, ``train longspec``).
 
 Each trainer is one entry of ``TRAINERS``: a function that adds its sub-parser. Settings layer
 like ``generate``'s: the trainer's typed defaults < ``--config FILE.toml`` < flags.
@@ -201,11 +201,60 @@ def _run_owl(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAINERS = (_add_lm, _add_heads, _add_proxy, _add_owl)
+# ----------------------------------------------------------------------------------------------
+# train longspec
+
+
+def _add_longspec(tsub) -> None:
+    from ..training.longspec import LongSpecLoopConfig, LongSpecOptimConfig
+
+    p = tsub.add_parser("longspec", help="LongSpec's drafter (window self-attention + cross-attention into the "
+                                         "target's KV) on a frozen target, with anchor-offset indices and flash "
+                                         "noisy training (self-distilled data)")
+    p.add_argument("--model", help=f"target model: embedded ({', '.join(embedded_names())}) or an HF checkpoint directory")
+    p.add_argument("--out", help="drafter checkpoint directory (longspec.json + longspec.safetensors + longgen.toml)")
+    p.add_argument("--window", type=int, help="self-attention window in tokens (default 512)")
+    p.add_argument("--intermediate-size", type=int, help="MLP width (default: the target's)")
+    p.add_argument("--anchors", type=int, help="anchor-offset indices: sink positions kept (default 4)")
+    p.add_argument("--max-offset", type=int, help="anchor-offset indices: largest offset (default 30000)")
+    p.add_argument("--no-anchor-offset", action="store_true", default=None, help="train at vanilla positions")
+    p.add_argument("--max-lag", type=int, help="flash noisy training: largest cross-attention lag (default 5; 0: off)")
+    g = p.add_argument_group("self-distilled data (--seq-len: generated tokens per sequence, default 256)")
+    g.add_argument("--sequences", type=int, help="generated training sequences (default 4096)")
+    g.add_argument("--val-sequences", type=int, help="generated validation sequences (default 64)")
+    g.add_argument("--prompt-len", type=int, help="prompt chunk length (default 64)")
+    g.add_argument("--gen-temperature", type=float, help="target sampling temperature (0 = greedy; default 1)")
+    g.add_argument("--gen-top-k", type=int, help="target sampling top-k (default 10; 0 = off)")
+    g.add_argument("--gen-batch-size", type=int, help="sequences generated at once (default 256)")
+    _add_loop_args(p, LongSpecLoopConfig(), LongSpecOptimConfig())
+    p.set_defaults(run=_run_longspec)
+
+
+def _run_longspec(args: argparse.Namespace) -> int:
+    from ..training.config import load_train_config
+    from ..training.longspec import LongSpecTrainConfig, train_longspec
+
+    flags = {
+        **LOOP_FLAGS, "model": ("model",), "out": ("out",), "window": ("drafter", "window"),
+        "intermediate_size": ("drafter", "intermediate_size"), "anchors": ("anchor_offset", "anchors"),
+        "max_offset": ("anchor_offset", "max_offset"), "max_lag": ("noisy", "max_lag"),
+        "sequences": ("generation", "sequences"), "val_sequences": ("generation", "val_sequences"),
+        "prompt_len": ("generation", "prompt_len"), "gen_temperature": ("generation", "temperature"),
+        "gen_top_k": ("generation", "top_k"), "gen_batch_size": ("generation", "batch_size"),
+    }
+    given = overrides(args, flags)
+    if args.no_anchor_offset:
+        given.setdefault("anchor_offset", {})["enabled"] = False
+    cfg = load_train_config(LongSpecTrainConfig, args.config, given)
+    _print_summary(train_longspec(cfg, resume=args.resume, command=command_line(args, ("train", "longspec"))))
+    return 0
+
+
+TRAINERS = (_add_lm, _add_heads, _add_proxy, _add_owl, _add_longspec)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train drafters and models (lm, heads, proxy, owl)")
+    p = sub.add_parser("train", help="train drafters and models (lm, heads, proxy, owl, longspec)")
     tsub = p.add_subparsers(dest="trainer", required=True, metavar="WHAT")
     for add in TRAINERS:
         add(tsub)

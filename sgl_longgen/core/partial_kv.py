@@ -17,6 +17,21 @@ verify forward free of extra outputs, so an engine can replay it from a CUDA gra
 The policy only deals in positions; runtimes turn them into KV slots (gather indices, SGLang
 ``kv_indices``). Selection is per (layer, KV head) in ``head`` granularity and one set for all in
 ``shared`` granularity.
+
+With ``policy = "verify"`` (SpecAttn's verification-guided selection) the ranking comes from every
+verify forward instead: the verify over committed length ``L`` scores the keys ``[sinks, L)``
+with two of its rows (:mod:`sgl_longgen.core.verify_scores`) and :meth:`PartialKVPolicy.select_verified`
+ranks them per layer (``shared``: the mean over the layer's query heads; ``head``: per KV head,
+the mean over its group), as if a selection had been taken at ``L``. The same rules then hold: the
+sinks, the positions the step commits (from ``L`` on; always visible, "tail insertion"), and the
+best ranked ones up to the budget. Refreshed every step, so the draft always reads what the last
+verify selected. Until the first verify (the draft right after the prompt), or when a step commits
+more than ``budget - sinks`` tokens, the draft scores as above. Raw logits of different layers are
+never compared: each layer ranks its own.
+
+Lossless whatever the policy: a selection only changes which committed positions the draft
+forward reads, i.e. which tokens get proposed; the verify forward attends to the whole context and
+every committed token is drawn from its output.
 """
 
 from __future__ import annotations
@@ -37,11 +52,21 @@ def gqa_importance(q: torch.Tensor, k: torch.Tensor, scale: float = 1.0) -> torc
 
 
 class PartialKVPolicy:
+    """One request's partial KV. ``groups`` rows of positions: ``layers * kv_heads`` in ``head``
+    granularity; in ``shared`` one row, or one per layer under the ``verify`` policy (its
+    selections are per layer; the draft-scored ones are then the same for every layer)."""
+
     def __init__(self, config: PartialKVConfig, num_layers: int, num_kv_heads: int):
         self.budget = config.budget
         self.sinks = config.sinks
         self.granularity = config.granularity
-        self.groups = num_layers * num_kv_heads if config.granularity == "head" else 1
+        self.policy = config.policy
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        if config.granularity == "head":
+            self.groups = num_layers * num_kv_heads
+        else:
+            self.groups = num_layers if config.policy == "verify" else 1
         self.length = 0  # committed positions
         self.sel_len = 0  # committed length at the last selection
         self.selected = torch.empty(self.groups, 0, dtype=torch.long)  # ranked, most important first
@@ -76,9 +101,45 @@ class PartialKVPolicy:
         if self.granularity == "shared":
             # Raw q.k scales differ between layers; compare attention weights instead.
             scores = torch.softmax(scores.double(), dim=-1).sum(dim=0, keepdim=True)
+        self._take(scores, start, end)
+
+    def verify_range(self) -> tuple[int, int] | None:
+        """Committed positions ``[start, end)`` the next verify forward should score (the
+        ``verify`` policy; None otherwise or when nothing lies past the sinks)."""
+        if self.policy != "verify":
+            return None
+        start, end = min(self.sinks, self.length), self.length
+        return (start, end) if end > start else None
+
+    def select_verified(self, scores: torch.Tensor) -> None:
+        """Take a selection at the current length from a verify forward's scores over
+        :meth:`verify_range`: ``[layers, kv_heads, n]`` mean logits (``sgl_longgen.core.verify_scores``).
+
+        ``head``: per (layer, KV head) the top ``capacity`` of its row; ``shared``: per layer the
+        top of the mean over its KV heads (the mean logit over all the layer's query heads).
+        Replaces any due draft-scored selection: this one is as recent.
+        """
+        rng = self.verify_range()
+        if rng is None:
+            raise RuntimeError("no verify selection is expected")
+        start, end = rng
+        if scores.dim() != 3 or scores.shape[0] != self.num_layers or scores.shape[-1] != end - start:
+            raise ValueError(f"expected [{self.num_layers}, kv_heads, {end - start}] scores, got {tuple(scores.shape)}")
+        if self.granularity == "head":
+            if scores.shape[1] != self.num_kv_heads:
+                raise ValueError(f"head granularity needs scores per KV head ({self.num_kv_heads}), got {scores.shape[1]}")
+            scores = scores.flatten(0, 1)
+        else:
+            scores = scores.mean(dim=1)
+        self._take(scores, start, end)
+
+    def _take(self, scores: torch.Tensor, start: int, end: int) -> None:
+        """The top ``capacity`` of each row of ``scores`` (over positions ``start + i``), ranked,
+        as the selection at committed length ``end``; one row serves every group."""
         m = min(self.capacity, end - start)
         top = scores.topk(m, dim=-1).indices if m else scores.new_empty(scores.shape[0], 0, dtype=torch.long)
-        self.selected = top.to(torch.long).cpu() + start
+        top = top.to(torch.long).cpu() + start
+        self.selected = top.expand(self.groups, -1).contiguous() if top.shape[0] != self.groups else top
         self.sel_len = end
         self.pending = None
 

@@ -27,6 +27,7 @@ class Source(IntFlag):
     LSTM = 4
     SUFFIX = 8
     SPEC = 16  # OWL's [SPEC] leaves: never accepted, only read for their hidden state
+    LONGSPEC = 32  # LongSpec's cross-attention drafter
 
 
 class DraftTree:

@@ -8,7 +8,9 @@ the same for all: :func:`sgl_longgen.core.verify.draw_tree` and the per-node wal
 """
 
 from .base import Draft
+from .longspec import LongSpec, LongSpecState
 from .owl import Howl, Owl, OwlState
 from .tokenswift import DraftView, TokenSwift, TokenSwiftState
 
-__all__ = ["Draft", "DraftView", "Howl", "Owl", "OwlState", "TokenSwift", "TokenSwiftState"]
+__all__ = ["Draft", "DraftView", "Howl", "LongSpec", "LongSpecState", "Owl", "OwlState", "TokenSwift",
+           "TokenSwiftState"]

@@ -107,6 +107,22 @@ class TokenSwift:
         (``[groups, n]`` for ``head``, ``[layers, n]`` or ``[n]`` summed in ``shared``)."""
         state.policy.select(scores)
 
+    def verify_score_range(self, state: TokenSwiftState) -> tuple[int, int] | None:
+        """Committed positions ``[lo, hi)`` this step's verify forward should score, before it
+        commits anything (``partial_kv.policy = "verify"``; None: no scores wanted).
+
+        The runtime's verify then yields, per layer, the mean logits of its first
+        :func:`~sgl_longgen.core.verify_scores.score_rows` rows against those keys (the hybrid
+        kernels' ``scores`` output, ``[bs, kv_heads, n]`` per layer) and hands them to
+        :meth:`select_verified` before :meth:`observe`.
+        """
+        return state.policy.verify_range()
+
+    def select_verified(self, state: TokenSwiftState, scores: torch.Tensor) -> None:
+        """The next draft's selection from the verify's ``[layers, kv_heads, hi - lo]`` scores
+        (:meth:`~sgl_longgen.core.partial_kv.PartialKVPolicy.select_verified`)."""
+        state.policy.select_verified(scores)
+
     def index(self, state: TokenSwiftState, history: Sequence[int], sampling: SamplingConfig) -> None:
         """Index what was committed since the last call (``history``: committed tokens and the
         root) and find the history's continuation of it; none of it needs the draft forward.

@@ -10,18 +10,28 @@ from pathlib import Path
 
 from ..config import GenerateConfig
 from ..core.heads import load_heads
+from ..core.longspec import load_drafter as load_longspec_drafter
+from ..core.longspec import target_settings
 from ..core.owl import CONFIG_FILE as DRAFTER_CONFIG_FILE
 from ..core.owl import load_drafter
 from ..errors import LonggenError
 from .checkpoint import LoadedModel, load_model
 from .decoder import ARDecoder, Decoder, GenerationResult
-from .embedded import DEFAULTS_FILE, DRAFTER_SUBDIR, HEADS_SUBDIR, resolve_model
+from .embedded import (
+    DEFAULTS_FILE,
+    DRAFTER_SUBDIR,
+    HEADS_SUBDIR,
+    LONGSPEC_SUBDIR,
+    resolve_model,
+)
+from .longspec import LongSpecDecoder
 from .owl import HowlDecoder, OwlDecoder
 from .tokenswift import TokenSwiftDecoder
 
 __all__ = [
-    "ARDecoder", "Decoder", "GenerationResult", "HowlDecoder", "LoadedModel", "OwlDecoder", "TokenSwiftDecoder",
-    "build_decoder", "default_drafter_dir", "default_heads_dir", "load_model", "resolve_model",
+    "ARDecoder", "Decoder", "GenerationResult", "HowlDecoder", "LoadedModel", "LongSpecDecoder", "OwlDecoder",
+    "TokenSwiftDecoder", "build_decoder", "default_drafter_dir", "default_heads_dir", "default_longspec_dir",
+    "load_model", "resolve_model",
 ]
 
 
@@ -47,8 +57,16 @@ def default_drafter_dir(model_dir: Path | None) -> Path | None:
     return d if d.is_dir() else None
 
 
+def default_longspec_dir(model_dir: Path | None) -> Path | None:
+    """The LongSpec drafter shipped inside a model directory (embedded models have one)."""
+    if model_dir is None:
+        return None
+    d = Path(model_dir) / LONGSPEC_SUBDIR
+    return d if d.is_dir() else None
+
+
 def build_decoder(loaded: LoadedModel, config: GenerateConfig, heads_dir: Path | None = None,
-                  drafter_dir: Path | None = None) -> Decoder:
+                  drafter_dir: Path | None = None, longspec_dir: Path | None = None) -> Decoder:
     if config.method == "ar":
         return ARDecoder(loaded, config)
     if config.method == "tokenswift":
@@ -72,4 +90,12 @@ def build_decoder(loaded: LoadedModel, config: GenerateConfig, heads_dir: Path |
                                f"({Path(drafter_dir) / DRAFTER_CONFIG_FILE}); set owl.spec = false")
         cls = OwlDecoder if config.method == "owl" else HowlDecoder
         return cls(loaded, config, drafter)
+    if config.method == "longspec":
+        longspec_dir = longspec_dir or default_longspec_dir(loaded.path)
+        if longspec_dir is None:
+            where = f" (none found in {Path(loaded.path) / LONGSPEC_SUBDIR})" if loaded.path is not None else ""
+            raise LonggenError(f"longspec needs a LongSpec drafter: pass --longspec-drafter DIR{where}; "
+                               "train one with `sgl-longgen train longspec`")
+        drafter = load_longspec_drafter(longspec_dir, target_settings(loaded.config))
+        return LongSpecDecoder(loaded, config, drafter)
     raise LonggenError(f"unknown method {config.method!r}")

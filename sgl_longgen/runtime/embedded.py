@@ -5,7 +5,8 @@ library, with trained TokenSwift heads) when the package ships it; the random-in
 fast tests. A random-init model is a deterministic function of its spec and seed, so
 every machine builds the same weights; the directory is a real HF checkpoint (config.json,
 model.safetensors, tokenizer.json) that SGLang can serve too, with TokenSwift heads and
-per-model defaults in ``tokenswift-heads/``, and a random-init OWL drafter in ``owl-drafter/``.
+per-model defaults in ``tokenswift-heads/``, a random-init OWL drafter in ``owl-drafter/`` and a
+random-init LongSpec drafter in ``longspec-drafter/``.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from safetensors.torch import save_file
 
 from .. import env
 from ..core.heads import TokenSwiftHeads
+from ..core.longspec import LongSpecDrafter
 from ..core.owl import OwlDrafter
 from ..errors import LonggenError
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 HEADS_SUBDIR = "tokenswift-heads"
 DRAFTER_SUBDIR = "owl-drafter"
+LONGSPEC_SUBDIR = "longspec-drafter"
 DEFAULTS_FILE = "longgen.toml"
 
 
@@ -37,7 +40,8 @@ class RandomSpec:
     config: dict
     seed: int
     defaults: str = ""
-    version: int = 2  # 2: adds owl-drafter/ (the weights of version 1 are unchanged)
+    # 2: adds owl-drafter/, 3: adds longspec-drafter/ (the weights of earlier versions are unchanged)
+    version: int = 3
     heads: int = 3
     owl_steps: int = 8  # the random-init OWL drafter: unroll length (sets alpha); width = hidden size
     extra: dict = field(default_factory=dict)
@@ -193,6 +197,18 @@ def random_state(config: dict, generator: torch.Generator) -> dict[str, torch.Te
     return state
 
 
+def random_longspec(config: dict, state: dict[str, torch.Tensor], seed: int) -> LongSpecDrafter:
+    """A random-init LongSpec drafter for a model (config.json fields and weights), its output norm
+    at the model's final norm."""
+    import msgspec
+
+    from .model import ModelConfig
+
+    drafter = LongSpecDrafter.for_target(msgspec.convert(config, ModelConfig))
+    drafter.reset_parameters(torch.Generator().manual_seed(seed), final_norm=state["model.norm.weight"])
+    return drafter
+
+
 def build_random(target: Path, spec: RandomSpec) -> Path:
     """Write the checkpoint into a temporary directory, then rename it into place (atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -217,6 +233,7 @@ def build_random(target: Path, spec: RandomSpec) -> Path:
         drafter = OwlDrafter(config["hidden_size"], vocab, config["hidden_size"], spec.owl_steps, spec=True)
         drafter.reset_parameters(owl_gen, target_embeddings=state["model.embed_tokens.weight"])
         drafter.save(tmp / DRAFTER_SUBDIR, base_model=target.name)
+        random_longspec(config, state, spec.seed + 2).save(tmp / LONGSPEC_SUBDIR, base_model=target.name)
         try:
             tmp.rename(target)
         except OSError:

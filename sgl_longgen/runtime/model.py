@@ -9,7 +9,9 @@ forward covers the three shapes the algorithms need:
 * a *partial* (draft) forward that attends only to given cached positions (per KV head) plus the
   new tokens, and writes nothing to the cache;
 * optional importance scores of one query row against a range of cached keys (TokenSwift Eq. 2),
-  in either kind of forward.
+  in either kind of forward;
+* optional mean pre-softmax logits of chosen query rows against a range of cached keys
+  (verification-guided selection, :mod:`sgl_longgen.core.verify_scores`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from ..core.nn import RMSNorm
 from ..core.partial_kv import gqa_importance
+from ..core.verify_scores import mean_logits
 from ..errors import LonggenError
 from .kv_cache import KVCache
 
@@ -116,8 +119,12 @@ class ForwardSpec:
     ``start``: cache length before the forward (the new tokens' KV goes to ``[start, start+T)``
     unless ``visible`` is set). ``mask``: ``[T, T]`` among the new tokens (None: causal).
     ``visible``: ``[groups, n]`` cached positions for a partial (draft) forward, groups being
-    ``layers * kv_heads`` or 1. ``score``: ``(row, lo, hi)`` asks for Eq. 2 scores of query ``row``
-    against cached positions ``[lo, hi)``, returned per layer in ``scores``.
+    ``layers * kv_heads``, ``layers`` (one set per layer) or 1. ``score``: ``(row, lo, hi)`` asks
+    for Eq. 2 scores of query ``row`` against cached positions ``[lo, hi)``, returned per layer in
+    ``scores``. ``prefix_logits``: ``(rows, lo, hi)`` asks for the pre-softmax logits of the first
+    ``rows`` query rows against cached positions ``[lo, hi)`` (committed before this forward),
+    averaged over those rows and each KV head's query heads: ``[kv_heads, hi - lo]`` per layer
+    in ``prefix_scores`` (:func:`sgl_longgen.core.verify_scores.mean_logits`).
     """
 
     start: int
@@ -125,6 +132,8 @@ class ForwardSpec:
     visible: torch.Tensor | None = None
     score: tuple[int, int, int] | None = None
     scores: list[torch.Tensor] = field(default_factory=list)
+    prefix_logits: tuple[int, int, int] | None = None
+    prefix_scores: list[torch.Tensor] = field(default_factory=list)
 
 
 class Attention(nn.Module):
@@ -159,7 +168,8 @@ class Attention(nn.Module):
         else:
             vis = spec.visible
             if vis.shape[0] > 1:
-                vis = vis[self.layer_id * self.n_kv : (self.layer_id + 1) * self.n_kv]
+                per_layer = vis.shape[0] // cache.k.shape[0]  # kv_heads or 1
+                vis = vis[self.layer_id * per_layer : (self.layer_id + 1) * per_layer]
             vis = vis.expand(self.n_kv, -1).to(x.device)
             idx = vis[..., None].expand(-1, -1, self.d)
             keys = torch.cat([kc.gather(1, idx), k], dim=1)
@@ -168,6 +178,9 @@ class Attention(nn.Module):
         if spec.score is not None:
             row, lo, hi = spec.score
             spec.scores.append(gqa_importance(q[row], kc[:, lo:hi], self.scale))
+        if spec.prefix_logits is not None:
+            rows, lo, hi = spec.prefix_logits
+            spec.prefix_scores.append(mean_logits(q[:rows], kc[:, lo:hi], self.scale))
 
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True

@@ -5,6 +5,9 @@
    the candidates the method turns into a trie (with n-gram paths).
 2. Verify: the whole trie through the model over the *full* KV with the ancestor mask; one draw
    per node and the walk decide what is committed; the accepted rows' KV is compacted in place.
+   Under ``partial_kv.policy = "verify"`` it also scores the committed keys with its first rows
+   (:mod:`sgl_longgen.core.verify_scores`): per layer, those scores pick the next draft's partial
+   KV. They are read off the verify's queries and keys and change nothing in its output.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ..core.heads import TokenSwiftHeads
 from ..core.tokenswift import candidate_count, head_candidates
 from ..core.tree import Source
 from ..core.verify import verify_tree
+from ..core.verify_scores import score_rows
 from ..errors import LonggenError
 from ..methods import Draft, TokenSwift
 from .checkpoint import LoadedModel
@@ -85,7 +89,12 @@ class TokenSwiftDecoder(Decoder):
         L = self.length
         self.cache.ensure(L + len(tree))
         spec = ForwardSpec(start=L, mask=tree.ancestor_mask(dev))
+        scored = self.method.verify_score_range(self.state)
+        if scored is not None:
+            spec.prefix_logits = (score_rows(len(tree)), *scored)
         h = self.model(tree.token_tensor(dev), tree.positions(L, dev), self.cache, spec)
+        if spec.prefix_scores:  # before observe(): the selection is taken at length L
+            self.method.select_verified(self.state, torch.stack(spec.prefix_scores))
         verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
         self.cache.keep(L, verdict.nodes)
         self.length = L + len(verdict.nodes)

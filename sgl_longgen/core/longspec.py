@@ -1,0 +1,539 @@
+"""LongSpec's memory-constant drafter, its checkpoint format and its beam tree.
+
+The drafter (LongSpec, arXiv 2502.17421, after GliDe) is one decoder block of the target's shape:
+
+    h = e + SelfAttn(Norm_in(e))         over a sliding window of the drafter's own tokens
+    h = h + CrossAttn(Norm_self(h))      queries from the drafter, K/V = the target's last-layer cache
+    h = h + MLP(Norm_cross(h))
+    logits = LMHead_target(Norm_out(h))  with e = Embed_target(token)
+
+The token embedding and the LM head are the target's own (not stored in the checkpoint: for a
+128K vocabulary they would dwarf the block). ``Norm_out`` is the drafter's (LongSpec feeds the head
+the raw block output; a learned RMSNorm, started at the target's final norm, gives the shared head
+inputs on the scale it was trained for, at d parameters).
+
+**Why the memory is constant.** The self-attention keys and values of a token depend on nothing
+but its id and position (the block's input is the shared embedding), so the drafter's own KV is a
+ring of the last ``window`` tokens (:class:`WindowCache`), refilled from the token ids whenever
+the history grows. The cross-attention reads the target's last-layer K/V *in place*: the cache the
+target keeps anyway, and only its committed positions ``[0, L)`` (never a verify tree's slots, so
+a draft never sees in-flight KV). The queries carry RoPE at the drafter token's own position with
+the target's frequencies, which is why a checkpoint records and checks the target's RoPE settings.
+
+**Anchor-Offset Indices** (:func:`anchor_offset_positions`): training positions ``0 .. a-1`` are
+kept as attention sinks and every later one is shifted by one random offset, so a drafter trained
+on short samples sees the large positions it meets in a long generation. The target computes its
+K/V with the same positions (only its loss, not its weights, sees them).
+
+**The beam tree** (:func:`expand`): per-level widths ``[w1, .., wD]`` (LongSpec's
+``[4, 16, 16, 16, 16]``); level 1 is the root's top ``w1`` tokens, level i the ``wi`` best
+(parent, token) pairs over *all* children of level i - 1 by cumulative log-probability. The pool
+is then cut to the ``tree_size`` best nodes (closed under ancestors: a parent scores at least as
+much as its child and wins ties by coming first). Which nodes are drafted never changes the
+output: every committed token is drawn by the shared per-node walk (:mod:`.verify`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from ..errors import LonggenError
+from .nn import RMSNorm
+from .owl import DraftBeam
+from .tree import DraftTree, Source
+from .weights import check_shapes, expected_shapes, header_shapes, read_weights
+
+FORMAT = "sgl-longgen.longspec-drafter"
+VERSION = 1
+CONFIG_FILE = "longspec.json"
+WEIGHTS_FILE = "longspec.safetensors"
+DEFAULT_WINDOW = 512
+DEFAULT_WIDTHS = (4, 16, 16, 16, 16)
+
+# The target's settings a drafter must share: the shapes it reads (embedding rows, K/V heads of
+# the last layer) and the RoPE its queries must carry to meet the target's keys.
+TARGET_FIELDS = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rope_scaling")
+
+
+# ----------------------------------------------------------------------------------------------
+# positions
+
+
+def anchor_offset_positions(length: int, anchors: int, offset: int) -> torch.Tensor:
+    """``[0, .., a-1, a + offset, .., length - 1 + offset]`` (LongSpec Alg. 1; ``a = anchors``).
+
+    The first ``anchors`` positions stay where the target's attention sinks expect them; the rest
+    keep their spacing (RoPE sees relative distances) but sit ``offset`` further out.
+    """
+    if length < 0 or anchors < 0 or offset < 0:
+        raise ValueError("length, anchors and offset must be non-negative")
+    pos = torch.arange(length, dtype=torch.long)
+    pos[anchors:] += offset
+    return pos
+
+
+def sample_anchor_offset(length: int, max_position: int, anchors: int, max_offset: int,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+    """Anchor-offset positions with an offset uniform in ``[0, min(max_offset, max_position - length)]``.
+
+    ``max_position``: the target's context (positions stay below it).
+    """
+    high = max(0, min(max_offset, max_position - length))
+    offset = int(torch.randint(0, high + 1, (), generator=generator))
+    return anchor_offset_positions(length, min(anchors, length), offset)
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[..., T, head_dim]`` for ``positions`` (float64 angles, as the target computes them)."""
+    freqs = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: ``[..., H, T, D]``; ``cos``/``sin``: ``[..., T, D]`` (broadcast over heads)."""
+    cos, sin = cos.unsqueeze(-3).to(x.dtype), sin.unsqueeze(-3).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# the block
+
+
+def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    """``[..., T, n * d]`` -> ``[..., n, T, d]``."""
+    return x.view(*x.shape[:-1], n, d).transpose(-3, -2)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    """``[..., n, T, d]`` -> ``[..., T, n * d]``."""
+    x = x.transpose(-3, -2)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            causal: bool = False) -> torch.Tensor:
+    """SDPA with GQA; ``mask``: ``[..., T, S]`` booleans shared by the heads (None: all visible)."""
+    if mask is not None:
+        mask = mask.unsqueeze(-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[-3] != q.shape[-3])
+
+
+class SelfAttention(nn.Module):
+    """Attention over the drafter's own tokens (the caller restricts the keys to the window)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (with RoPE) and values ``[..., Hkv, T, D]`` of normed inputs ``x``."""
+        k = apply_rope(_heads(self.k_proj(x), self.kv_heads, self.head_dim), cos, sin)
+        return k, _heads(self.v_proj(x), self.kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor | None,
+                ctx_v: torch.Tensor | None, mask: torch.Tensor | None, own_mask: torch.Tensor | None = None,
+                causal: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows ``x`` attend to the context keys ``ctx_k`` then their own keys.
+
+        ``mask``: ``[..., T, S_ctx + T]`` (or, with no context, ``[..., T, T]``); ``causal`` instead
+        of a mask for a context-free causal pass. Returns the output and the rows' own K/V.
+        """
+        q = apply_rope(_heads(self.q_proj(x), self.heads, self.head_dim), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        keys = k if ctx_k is None else torch.cat([ctx_k, k], dim=-2)
+        values = v if ctx_v is None else torch.cat([ctx_v, v], dim=-2)
+        out = _attend(q, keys, values, mask, self.scale, causal=causal and mask is None)
+        return self.o_proj(_merge(out)), k, v
+
+
+class CrossAttention(nn.Module):
+    """Queries from the drafter into the target's last-layer K/V (no K/V projections of its own)."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, mask: torch.Tensor | None = None, lag: int = 0) -> torch.Tensor:
+        """``keys``/``values``: ``[..., Hkv, C, D]`` target K/V (RoPE already in the keys).
+
+        ``lag`` (training, flash noisy training): row t sees target positions ``<= t - lag`` only,
+        as at inference, where a draft token ``lag`` steps past the committed length sees the
+        target's KV up to that length. Computed as LongSpec does: the first ``lag`` queries and
+        the last ``lag`` keys are dropped, an ordinary causal attention runs, the output is
+        left-padded with ``lag`` zero rows (rows that would see no key at all).
+        """
+        q = apply_rope(_heads(self.q_proj(x), self.heads, self.head_dim), cos, sin)
+        if lag:
+            T, C = q.shape[-2], keys.shape[-2]
+            if T != C:
+                raise ValueError(f"a lagged cross-attention needs one key per query ({T} queries, {C} keys)")
+            out = _attend(q[..., lag:, :], keys[..., : C - lag, :], values[..., : C - lag, :], None, self.scale,
+                          causal=True)
+            out = torch.cat([out.new_zeros(*out.shape[:-2], lag, out.shape[-1]), out], dim=-2)
+        else:
+            out = _attend(q, keys, values, mask, self.scale)
+        return self.o_proj(_merge(out))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LongSpecDrafter(nn.Module):
+    """The block. ``num_heads``/``num_kv_heads``/``head_dim``: the target's (the cross-attention
+    reads its K/V heads; the self-attention uses the same shape). ``window``: tokens of its own
+    the self-attention sees, itself included. ``rope_theta``/``rope_scaling``: the target's,
+    recorded so a checkpoint is refused by a target whose keys carry another RoPE."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate_size: int, window: int = DEFAULT_WINDOW, rope_theta: float = 10000.0,
+                 rope_scaling: dict | None = None, norm_eps: float = 1e-6):
+        super().__init__()
+        if min(hidden_size, vocab_size, num_heads, num_kv_heads, head_dim, intermediate_size, window) < 1:
+            raise ValueError("every size of a LongSpec drafter must be positive")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.intermediate_size, self.window, self.norm_eps = intermediate_size, window, norm_eps
+        self.rope_theta, self.rope_scaling = float(rope_theta), rope_scaling
+        self.input_layernorm = RMSNorm(hidden_size, norm_eps)
+        self.self_attn = SelfAttention(hidden_size, num_heads, num_kv_heads, head_dim)
+        self.post_self_attention_layernorm = RMSNorm(hidden_size, norm_eps)
+        self.cross_attn = CrossAttention(hidden_size, num_heads, head_dim)
+        self.post_cross_attention_layernorm = RMSNorm(hidden_size, norm_eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+        self.norm = RMSNorm(hidden_size, norm_eps)
+
+    @classmethod
+    def for_target(cls, cfg, intermediate_size: int = 0, window: int = DEFAULT_WINDOW) -> LongSpecDrafter:
+        """A drafter shaped for a target (a runtime ``ModelConfig``); ``intermediate_size`` 0: the target's."""
+        return cls(cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.n_kv_heads, cfg.dim_head,
+                   intermediate_size or cfg.intermediate_size, window, cfg.rope_theta, cfg.rope_scaling,
+                   cfg.rms_norm_eps)
+
+    def reset_parameters(self, generator: torch.Generator | None = None, final_norm: torch.Tensor | None = None,
+                         std: float | None = None) -> None:
+        """Matrices ~ N(0, 1/fan_in) (``std`` overrides), output projections at a tenth of that so the
+        block starts close to the identity of the embedding; norms at 1, the output norm at the
+        target's final norm (``final_norm``) so the shared head starts on familiar inputs."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 2:
+                    s = std if std is not None else 1.0 / math.sqrt(p.shape[1])
+                    if name.endswith(("o_proj.weight", "down_proj.weight")):
+                        s = s * 0.1
+                    p.normal_(0.0, s, generator=generator)
+                else:
+                    p.fill_(1.0)
+            if final_norm is not None:
+                self.norm.weight.copy_(final_norm.detach().to(self.norm.weight))
+
+    # -- the forward ---------------------------------------------------------------------------
+
+    def window_kv(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The self-attention K/V of tokens (``embeds``: their shared embeddings): a function of
+        the token ids and positions alone, so a ring of them can be refilled from the history."""
+        return self.self_attn.kv(self.input_layernorm(embeds), cos, sin)
+
+    def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor | None,
+                ctx_v: torch.Tensor | None, self_mask: torch.Tensor | None, cross_k: torch.Tensor,
+                cross_v: torch.Tensor, cross_mask: torch.Tensor | None = None, lag: int = 0, causal: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed output states (for the shared head) and the rows' own self-attention K/V."""
+        a, k, v = self.self_attn(self.input_layernorm(embeds), cos, sin, ctx_k, ctx_v, self_mask, causal=causal)
+        h = embeds + a
+        h = h + self.cross_attn(self.post_self_attention_layernorm(h), cos, sin, cross_k, cross_v, cross_mask, lag)
+        h = h + self.mlp(self.post_cross_attention_layernorm(h))
+        return self.norm(h), k, v
+
+    # -- checkpoint ----------------------------------------------------------------------------
+
+    def config(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "window": self.window, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "norm_eps": self.norm_eps,
+        }
+
+    def save(self, directory: str | Path, **extra) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps({**self.config(), **extra}, indent=2) + "\n")
+        return directory
+
+
+def target_settings(cfg) -> dict:
+    """What a drafter must share with a target (a runtime ``ModelConfig``), keyed as in ``longspec.json``."""
+    return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_heads": cfg.num_attention_heads,
+            "num_kv_heads": cfg.n_kv_heads, "head_dim": cfg.dim_head, "rope_theta": float(cfg.rope_theta),
+            "rope_scaling": cfg.rope_scaling}
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def read_drafter_config(directory: str | Path) -> dict:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LonggenError(f"LongSpec drafter directory not found: {directory}")
+    cfg_path = directory / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise LonggenError(f"LongSpec drafter checkpoint is missing {cfg_path}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise LonggenError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
+        fmt = cfg.get("format") if isinstance(cfg, dict) else None
+        raise LonggenError(f"{cfg_path} is not a LongSpec drafter config (format={fmt!r})")
+    if cfg.get("version") != VERSION:
+        raise LonggenError(f"{cfg_path}: unsupported version {cfg.get('version')!r} (this build reads {VERSION})")
+    for key in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "window"):
+        if not _positive_int(cfg.get(key)):
+            raise LonggenError(f"{cfg_path}: '{key}' must be a positive integer")
+    if cfg["num_heads"] % cfg["num_kv_heads"]:
+        raise LonggenError(f"{cfg_path}: 'num_heads' must be a multiple of 'num_kv_heads'")
+    for key in ("rope_theta", "norm_eps"):
+        value = cfg.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise LonggenError(f"{cfg_path}: '{key}' must be a positive number")
+    if cfg.get("rope_scaling") is not None and not isinstance(cfg["rope_scaling"], dict):
+        raise LonggenError(f"{cfg_path}: 'rope_scaling' must be a table or null")
+    return cfg
+
+
+def check_drafter(directory: str | Path, target: dict | None = None) -> dict:
+    """Validate a drafter checkpoint (file headers only) and, given ``target`` (see
+    :func:`target_settings`), that it was built for that target: one error naming the file."""
+    directory = Path(directory)
+    cfg = read_drafter_config(directory)
+    cfg_path = directory / CONFIG_FILE
+    for key, want in (target or {}).items():
+        have = cfg.get(key)
+        if key == "rope_theta":
+            same = float(have) == float(want)
+        else:
+            same = have == want
+        if not same:
+            raise LonggenError(f"LongSpec drafter in {directory} was built for {key} = {have!r} but the model's is "
+                               f"{want!r} ({cfg_path})")
+    weights = directory / WEIGHTS_FILE
+    check_shapes(header_shapes(weights), expected_shapes(lambda: _build(cfg)), weights, cfg_path, exact=True)
+    return cfg
+
+
+def _build(cfg: dict) -> LongSpecDrafter:
+    return LongSpecDrafter(cfg["hidden_size"], cfg["vocab_size"], cfg["num_heads"], cfg["num_kv_heads"],
+                           cfg["head_dim"], cfg["intermediate_size"], cfg["window"], float(cfg["rope_theta"]),
+                           cfg.get("rope_scaling"), float(cfg["norm_eps"]))
+
+
+def load_drafter(directory: str | Path, target: dict | None = None, dtype: torch.dtype = torch.float32
+                 ) -> LongSpecDrafter:
+    """Load a drafter checkpoint after :func:`check_drafter`."""
+    directory = Path(directory)
+    cfg = check_drafter(directory, target)
+    drafter = _build(cfg)
+    drafter.load_state_dict(read_weights(directory / WEIGHTS_FILE))
+    return drafter.to(dtype).eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------
+# the window ring
+
+
+class WindowCache:
+    """The drafter's own K/V for one request: a ring of ``window`` slots, position p in slot p % window.
+
+    Its size is fixed when the request starts, whatever the context grows to: this is all the
+    memory the drafter adds (the cross-attention reads the target's cache in place).
+    """
+
+    def __init__(self, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, device):
+        self.window = window
+        self.k = torch.zeros(kv_heads, window, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((window,), -1, dtype=torch.long, device=device)  # -1: empty slot
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))
+
+    def reset(self) -> None:
+        self.pos.fill_(-1)
+
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V ``[Hkv, T, D]`` of ascending ``positions``; only the last ``window`` can matter."""
+        positions, k, v = positions[-self.window :], k[:, -self.window :], v[:, -self.window :]
+        slots = positions % self.window
+        self.k[:, slots] = k
+        self.v[:, slots] = v
+        self.pos[slots] = positions
+
+    def visible(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """``[T, window]``: slot s holds a position inside query t's window ``(p_t - window, p_t]``."""
+        p = self.pos[None, :]
+        q = query_positions[:, None]
+        return (p >= 0) & (p <= q) & (p > q - self.window)
+
+
+# ----------------------------------------------------------------------------------------------
+# the beam tree
+
+
+def pool_size(widths: Sequence[int]) -> int:
+    """Draft nodes the beam creates before the cut."""
+    return sum(widths)
+
+
+def verify_width(widths: Sequence[int], tree_size: int) -> int:
+    """Rows of one verify forward: the root and at most ``tree_size`` draft nodes."""
+    return min(tree_size, pool_size(widths)) + 1
+
+
+def select_nodes(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                 n: int) -> DraftBeam:
+    """The ``n`` best pool nodes of one request (``[P]`` each, parents before children), in creation
+    order, parents renumbered. A stable descending sort keeps a parent ahead of a child of equal
+    score, so the cut is closed under ancestors."""
+    P = scores.shape[0]
+    n = min(n, P)
+    best = torch.sort(scores, descending=True, stable=True).indices[:n]
+    sel = best.sort().values
+    slot = torch.full((P,), -1, dtype=torch.long, device=scores.device)
+    slot[sel] = torch.arange(n, device=scores.device)
+    par = parents[sel]
+    new_par = torch.where(par >= 0, slot[par.clamp(min=0)], par)
+    if bool((new_par[par >= 0] < 0).any()):
+        raise AssertionError("the cut tree is not closed under ancestors")
+    return DraftBeam(tokens[sel][None], new_par[None], depths[sel][None], scores[sel][None])
+
+
+@torch.no_grad()
+def expand(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor],
+           head: Callable[[torch.Tensor], torch.Tensor], inv_freq: torch.Tensor, ring: WindowCache,
+           target_k: torch.Tensor, target_v: torch.Tensor, pending: Sequence[int], start: int,
+           widths: Sequence[int] = DEFAULT_WIDTHS, tree_size: int = 63) -> DraftBeam:
+    """One request's beam tree (``[1, N]`` tensors).
+
+    ``pending``: the history tokens the ring lacks, from position ``start``, the root (the last
+    sampled token, at position ``L``) last; they join the ring first. ``target_k``/``target_v``:
+    the target's last-layer K/V ``[Hkv, >= L, D]``; only positions ``[0, L)`` are read, the
+    committed ones. ``embed``/``head``: the target's embedding and LM head.
+    """
+    if not pending:
+        raise ValueError("the drafter needs at least the root token")
+    dev = ring.k.device
+    dt = ring.k.dtype
+    W = drafter.window
+    L = start + len(pending) - 1
+    cross_k, cross_v = target_k[:, :L], target_v[:, :L]
+    feed = list(pending)[-W:]
+    pos = torch.arange(L - len(feed) + 1, L + 1, device=dev)
+    cos, sin = rope_tables(inv_freq, pos, dt)
+    k, v = drafter.window_kv(embed(torch.tensor(feed, dtype=torch.long, device=dev)).to(dt), cos, sin)
+    ring.write(pos, k, v)
+
+    # The root: its window is the ring (its own slot included, so no own keys are added twice).
+    root_pos = pos[-1:]
+    x = embed(torch.tensor(feed[-1:], dtype=torch.long, device=dev)).to(dt)
+    q_cos, q_sin = cos[-1:], sin[-1:]
+    mask = ring.visible(root_pos) & (ring.pos != L)[None]
+    h, _, _ = drafter(x, q_cos, q_sin, ring.k, ring.v, torch.cat([mask, torch.ones(1, 1, dtype=torch.bool, device=dev)], 1),
+                      cross_k, cross_v)
+    logp = torch.log_softmax(head(h).to(torch.float64 if dt == torch.float64 else torch.float32), dim=-1)[0]
+    V = logp.shape[-1]
+    w = min(widths[0], V)
+    score, token = logp.topk(w)
+    pool_s, pool_t = [score], [token]
+    pool_p = [torch.full((w,), -1, dtype=torch.long, device=dev)]
+    pool_d = [torch.ones(w, dtype=torch.long, device=dev)]
+    # anc[i, j]: pool node j is an ancestor of pool node i, or i itself (grown level by level)
+    anc = torch.eye(w, dtype=torch.bool, device=dev)
+    front = torch.arange(w, device=dev)  # pool indices of the frontier
+    done_k = done_v = None  # self-attention K/V of the tree nodes already run, in pool order of ``done``
+    done = torch.zeros(0, dtype=torch.long, device=dev)
+    size = w
+    for level in range(2, len(widths) + 1):
+        n = front.shape[0]
+        fpos = torch.full((n,), L + level - 1, dtype=torch.long, device=dev)
+        f_cos, f_sin = rope_tables(inv_freq, fpos, dt)
+        x = embed(torch.cat(pool_t)[front]).to(dt)
+        ring_mask = ring.visible(fpos)
+        parts_k, parts_v, masks = [ring.k], [ring.v], [ring_mask]
+        if done_k is not None:
+            parts_k.append(done_k)
+            parts_v.append(done_v)
+            # tree ancestors inside the window (always, unless the window is shallower than the tree)
+            near = (level - 1 - torch.cat(pool_d)[done]) < W
+            masks.append(anc[front][:, done] & near[None])
+        masks.append(torch.eye(n, dtype=torch.bool, device=dev))
+        h, fk, fv = drafter(x, f_cos, f_sin, torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1),
+                            torch.cat(masks, dim=1), cross_k, cross_v)
+        done_k = fk if done_k is None else torch.cat([done_k, fk], dim=1)
+        done_v = fv if done_v is None else torch.cat([done_v, fv], dim=1)
+        done = torch.cat([done, front])
+        logp = torch.log_softmax(head(h).to(score.dtype), dim=-1)  # [n, V]
+        cand = (torch.cat(pool_s)[front][:, None] + logp).reshape(-1)
+        w = min(widths[level - 1], cand.shape[0])
+        score, flat = cand.topk(w)
+        parent = front[flat // V]
+        pool_s.append(score)
+        pool_t.append(flat % V)
+        pool_p.append(parent)
+        pool_d.append(torch.full((w,), level, dtype=torch.long, device=dev))
+        grown = torch.zeros(size + w, size + w, dtype=torch.bool, device=dev)
+        grown[:size, :size] = anc
+        grown[size:, :size] = anc[parent]
+        grown[size:, size:] = torch.eye(w, dtype=torch.bool, device=dev)
+        anc = grown
+        front = torch.arange(size, size + w, device=dev)
+        size += w
+    return select_nodes(torch.cat(pool_s), torch.cat(pool_t), torch.cat(pool_p), torch.cat(pool_d), tree_size)
+
+
+def beam_tree(beam: DraftBeam, root: int, row: int = 0) -> DraftTree:
+    """Row ``row`` of a beam as a trie; draft node i becomes tree node i + 1, tagged ``Source.LONGSPEC``."""
+    tree = DraftTree(root)
+    ids: list[int] = []
+    for tok, par in zip(beam.tokens[row].tolist(), beam.parents[row].tolist()):
+        if par >= len(ids):
+            raise ValueError(f"draft node {len(ids)} comes before its parent {par}")
+        ids.append(tree.add_child(0 if par < 0 else ids[par], tok, Source.LONGSPEC))
+    return tree

@@ -1,0 +1,325 @@
+"""LongSpec's drafter: anchor-offset indices, the checkpoint format and its refusals, the lagged
+cross-attention of flash noisy training, and the beam tree (checked against a slow reference that
+runs the drafter over every node's whole sequence, with the window ring wrapping around and with
+a window shallower than the tree), which reads only the target's committed K/V."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+from helpers import path_nodes
+from safetensors.torch import load_file, save_file
+
+from sgl_longgen.core.longspec import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CrossAttention,
+    LongSpecDrafter,
+    WindowCache,
+    anchor_offset_positions,
+    beam_tree,
+    check_drafter,
+    expand,
+    load_drafter,
+    rope_tables,
+    sample_anchor_offset,
+    target_settings,
+)
+from sgl_longgen.core.tree import Source
+from sgl_longgen.errors import LonggenError
+from sgl_longgen.runtime.embedded import random_state
+from sgl_longgen.runtime.model import ForwardSpec, ModelConfig, Transformer
+
+torch.set_num_threads(1)
+
+TARGET = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 40, "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 256},
+}
+
+
+def target() -> Transformer:
+    cfg = msgspec.convert(TARGET, ModelConfig)
+    net = Transformer(cfg)
+    net.load_state_dict(random_state(TARGET, torch.Generator().manual_seed(3)), strict=False)
+    return net.double().eval().requires_grad_(False)
+
+
+def drafter(window: int = 512, seed: int = 0) -> LongSpecDrafter:
+    net = target()
+    d = LongSpecDrafter.for_target(net.config, window=window)
+    d.reset_parameters(torch.Generator().manual_seed(seed), std=0.5)  # peaked drafts: a beam with a shape
+    return d.double().eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------------
+# anchor-offset indices
+
+
+@pytest.mark.parametrize("length,anchors,offset", [(10, 4, 100), (10, 0, 7), (3, 4, 50), (1, 1, 9), (12, 4, 0)])
+def test_anchor_offset_keeps_the_anchors_and_shifts_the_rest_by_one_offset(length, anchors, offset):
+    pos = anchor_offset_positions(length, anchors, offset).tolist()
+    a = min(anchors, length)
+    assert pos[:a] == list(range(a))  # the sinks stay
+    assert pos[a:] == [i + offset for i in range(a, length)]  # one offset for every later position
+    assert len(pos) == length
+
+
+def test_sampled_offsets_stay_inside_the_context_and_vary():
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(200):
+        pos = sample_anchor_offset(100, 1000, 4, 30000, g)
+        assert pos[:4].tolist() == [0, 1, 2, 3]
+        offset = int(pos[4]) - 4
+        assert torch.equal(pos[4:], torch.arange(4, 100) + offset)  # consecutive after the anchors
+        assert 0 <= offset and int(pos[-1]) < 1000 + 4  # offset <= max_position - length
+        seen.add(offset)
+    assert len(seen) > 100  # uniform over [0, 900], not a constant
+    small = [int(sample_anchor_offset(100, 1000, 4, 10, g)[4]) - 4 for _ in range(50)]
+    assert max(small) <= 10 and min(small) >= 0
+    assert sample_anchor_offset(100, 50, 4, 30000, g).tolist() == list(range(100))  # no room: no offset
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint
+
+
+def test_checkpoint_round_trip(tmp_path):
+    d = drafter(window=64)
+    d.save(tmp_path / "ls", base_model="micro")
+    cfg = json.loads((tmp_path / "ls" / CONFIG_FILE).read_text())
+    assert cfg["format"] == "sgl-longgen.longspec-drafter" and cfg["window"] == 64 and cfg["base_model"] == "micro"
+    loaded = load_drafter(tmp_path / "ls", target_settings(target().config), dtype=torch.float64)
+    for key, value in d.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    # no embedding or head of its own: those are the target's
+    assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "ls" / WEIGHTS_FILE))
+
+
+def _error(path, target_cfg=None) -> str:
+    with pytest.raises(LonggenError) as info:
+        load_drafter(path, target_cfg)
+    return str(info.value)
+
+
+def test_every_refusal_names_the_file(tmp_path):
+    good = drafter(window=64).save(tmp_path / "good")
+    settings = target_settings(target().config)
+    assert "not found" in _error(tmp_path / "missing")
+
+    (tmp_path / "empty").mkdir()
+    assert f"missing {tmp_path / 'empty' / CONFIG_FILE}" in _error(tmp_path / "empty")
+
+    def variant(name: str, edit=None, weights=True):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = json.loads((good / CONFIG_FILE).read_text())
+        if edit:
+            edit(cfg)
+        (d / CONFIG_FILE).write_text(json.dumps(cfg) if cfg is not None else "{not json")
+        if weights:
+            (d / WEIGHTS_FILE).write_bytes((good / WEIGHTS_FILE).read_bytes())
+        return d
+
+    bad_json = tmp_path / "badjson"
+    bad_json.mkdir()
+    (bad_json / CONFIG_FILE).write_text("{not json")
+    assert "not valid JSON" in _error(bad_json)
+    assert "not a LongSpec drafter config" in _error(variant("fmt", lambda c: c.update(format="sgl-longgen.owl-drafter")))
+    assert "unsupported version 7" in _error(variant("ver", lambda c: c.update(version=7)))
+    assert "'window' must be a positive integer" in _error(variant("win", lambda c: c.update(window=0)))
+    assert "'head_dim' must be a positive integer" in _error(variant("hd", lambda c: c.pop("head_dim")))
+    assert "multiple of 'num_kv_heads'" in _error(variant("gqa", lambda c: c.update(num_kv_heads=3)))
+    assert "'rope_theta' must be a positive number" in _error(variant("theta", lambda c: c.update(rope_theta=-1)))
+    nofile = variant("noweights", weights=False)
+    assert f"missing {nofile / WEIGHTS_FILE}" in _error(nofile)
+
+    # a config that does not match its weights
+    wide = variant("wide", lambda c: c.update(intermediate_size=128))
+    msg = _error(wide)
+    assert str(wide / WEIGHTS_FILE) in msg and "mlp.gate_proj.weight" in msg
+    extra = variant("extra")
+    state = load_file(extra / WEIGHTS_FILE)
+    save_file({**state, "lm_head.weight": torch.zeros(40, 32)}, extra / WEIGHTS_FILE)
+    assert "unexpected tensors ['lm_head.weight']" in _error(extra)
+
+    # a drafter built for another target: each setting it must share is checked
+    for key, value in [("hidden_size", 64), ("vocab_size", 41), ("num_heads", 8), ("num_kv_heads", 4),
+                       ("head_dim", 16), ("rope_theta", 500000.0), ("rope_scaling", None)]:
+        msg = _error(good, {**settings, key: value})
+        assert f"built for {key}" in msg and str(good / CONFIG_FILE) in msg, key
+    assert isinstance(check_drafter(good, settings), dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# flash noisy training
+
+
+def test_lagged_cross_attention_is_the_masked_attention_it_stands_for():
+    g = torch.Generator().manual_seed(1)
+    ca = CrossAttention(32, 4, 8).double()
+    with torch.no_grad():
+        for p in ca.parameters():
+            p.normal_(0, 0.3, generator=g)
+    B, T = 2, 9
+    x = torch.randn(B, T, 32, generator=g, dtype=torch.float64)
+    k = torch.randn(B, 2, T, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(B, 2, T, 8, generator=g, dtype=torch.float64)
+    cos, sin = rope_tables(torch.rand(4, dtype=torch.float64), torch.arange(T).expand(B, T), torch.float64)
+    for lag in (1, 3, 5):
+        got = ca(x, cos, sin, k, v, lag=lag)
+        t = torch.arange(T)
+        mask = (t[None, :] <= t[:, None] - lag).expand(B, T, T).clone()  # row t sees target positions <= t - lag
+        mask[:, :lag] = True  # (rows with nothing to see: computed, then replaced by zero below)
+        want = ca(x, cos, sin, k, v, mask=mask)
+        assert torch.allclose(got[:, lag:], want[:, lag:], atol=1e-12), lag
+        assert torch.equal(got[:, :lag], torch.zeros_like(got[:, :lag]))  # nothing visible: no contribution
+
+
+# ------------------------------------------------------------------------------------------------
+# the beam tree
+
+
+def prefill(net: Transformer, tokens: list[int]):
+    cache = net.new_cache(len(tokens) + 80)
+    net(torch.tensor(tokens), torch.arange(len(tokens)), cache, ForwardSpec(start=0))
+    return cache
+
+
+def reference_logp(d: LongSpecDrafter, net: Transformer, seq: list[int], L: int, cache) -> torch.Tensor:
+    """The drafter's next-token log-probabilities after ``seq``: a causal pass over the whole sequence
+    with the window mask, every row cross-attending to the target's K/V ``[0, L)``."""
+    S = len(seq)
+    pos = torch.arange(S)
+    cos, sin = rope_tables(net.inv_freq, pos, torch.float64)
+    dist = pos[:, None] - pos[None, :]
+    mask = (dist >= 0) & (dist < d.window)
+    last = net.config.num_hidden_layers - 1
+    h, _, _ = d(net.model.embed_tokens(torch.tensor(seq)), cos, sin, None, None, mask,
+                cache.k[last][:, :L], cache.v[last][:, :L])
+    return torch.log_softmax(net.lm_head(h[-1]), dim=-1)
+
+
+def reference_beam(d, net, history, cache, widths, tree_size):
+    """Level by level as LongSpec's beam, every node's scores from :func:`reference_logp`."""
+    L = len(history) - 1
+    nodes = []  # (score, token, parent, depth, path)
+    score, tok = reference_logp(d, net, history, L, cache).topk(min(widths[0], 40))
+    front = []
+    for s, t in zip(score.tolist(), tok.tolist()):
+        front.append(len(nodes))
+        nodes.append((s, t, -1, 1, [t]))
+    for level, w in enumerate(widths[1:], 2):
+        cand = []
+        for i in front:
+            logp = reference_logp(d, net, history + nodes[i][4], L, cache)
+            cand.append(nodes[i][0] + logp)
+        flat = torch.stack(cand).reshape(-1)
+        s, idx = flat.topk(min(w, flat.numel()))
+        new = []
+        for sc, j in zip(s.tolist(), idx.tolist()):
+            parent = front[j // 40]
+            new.append(len(nodes))
+            nodes.append((sc, j % 40, parent, level, nodes[parent][4] + [j % 40]))
+        front = new
+    scores = torch.tensor([n[0] for n in nodes], dtype=torch.float64)
+    keep = sorted(torch.sort(scores, descending=True, stable=True).indices[:tree_size].tolist())
+    index = {p: i for i, p in enumerate(keep)}
+    return ([nodes[p][1] for p in keep], [index[nodes[p][2]] if nodes[p][2] >= 0 else -1 for p in keep],
+            [nodes[p][0] for p in keep])
+
+
+def run_expand(d, net, ring, cache, history, fed, widths, tree_size):
+    last = net.config.num_hidden_layers - 1
+    start = max(fed, len(history) - d.window)
+    return expand(d, net.model.embed_tokens, net.lm_head, net.inv_freq, ring, cache.k[last], cache.v[last],
+                  history[start:], start, widths, tree_size)
+
+
+@pytest.mark.parametrize("window,widths,tree_size", [(512, [4, 16, 16, 16, 16], 63), (6, [3, 5, 4], 9),
+                                                     (3, [2, 3, 3, 3, 3], 100)])
+def test_expand_matches_the_whole_sequence_reference_as_the_ring_wraps(window, widths, tree_size):
+    net, d = target(), drafter(window)
+    g = torch.Generator().manual_seed(7)
+    history = torch.randint(0, 40, (12,), generator=g).tolist()
+    ring = WindowCache(d.num_kv_heads, window, d.head_dim, torch.float64, "cpu")
+    fed = 0
+    for grow in (0, 1, 4, 9):  # each call feeds what was committed since the last one (wrapping a small ring)
+        history = history + torch.randint(0, 40, (grow,), generator=g).tolist()
+        cache = prefill(net, history[:-1])
+        beam = run_expand(d, net, ring, cache, history, fed, widths, tree_size)
+        fed = len(history)
+        tokens, parents, scores = reference_beam(d, net, history, cache, widths, tree_size)
+        assert beam.tokens[0].tolist() == tokens
+        assert beam.parents[0].tolist() == parents
+        assert torch.allclose(beam.scores[0], torch.tensor(scores, dtype=torch.float64), atol=1e-9)
+        assert beam.size == min(tree_size, sum(widths))
+        depth = beam.depths[0].tolist()
+        assert all(depth[i] == 1 if p < 0 else depth[i] == depth[p] + 1 for i, p in enumerate(parents))
+
+
+def test_the_drafter_reads_only_the_committed_target_kv():
+    """Slots past the committed length (a previous verify's rejected nodes) never change the draft."""
+    net, d = target(), drafter(16)
+    history = torch.randint(0, 40, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = prefill(net, history[:-1])
+    ring = WindowCache(d.num_kv_heads, 16, d.head_dim, torch.float64, "cpu")
+    clean = run_expand(d, net, ring, cache, history, 0, [4, 8, 8], 20)
+    L = len(history) - 1
+    cache.k[:, :, L:] = torch.randn_like(cache.k[:, :, L:]) * 100
+    cache.v[:, :, L:] = torch.randn_like(cache.v[:, :, L:]) * 100
+    ring.reset()
+    noisy = run_expand(d, net, ring, cache, history, 0, [4, 8, 8], 20)
+    assert torch.equal(clean.tokens, noisy.tokens) and torch.allclose(clean.scores, noisy.scores, atol=0)
+    cache.k[:, :, L - 1] += 1.0  # ... while a committed one does
+    ring.reset()
+    moved = run_expand(d, net, ring, cache, history, 0, [4, 8, 8], 20)
+    assert not torch.allclose(clean.scores, moved.scores)
+
+
+def test_the_cut_tree_is_the_best_nodes_closed_under_ancestors():
+    net, d = target(), drafter()
+    history = [5, 7, 9, 11, 2]
+    cache = prefill(net, history[:-1])
+    full = run_expand(d, net, WindowCache(2, 512, 8, torch.float64, "cpu"), cache, history, 0, [4, 16, 16], 999)
+    cut = run_expand(d, net, WindowCache(2, 512, 8, torch.float64, "cpu"), cache, history, 0, [4, 16, 16], 10)
+    assert full.size == 36 and cut.size == 10
+    best = torch.sort(full.scores[0], descending=True, stable=True).values[:10]
+    assert torch.equal(cut.scores[0].sort(descending=True).values, best)
+    tree = beam_tree(cut, history[-1])
+    assert len(tree) == 11 and tree.num_walkable == 11
+    for node in range(1, len(tree)):
+        assert tree.sources[node] == Source.LONGSPEC
+        assert path_nodes(tree, node)[0] == 0  # every node hangs from the root through kept nodes
+    for i, p in enumerate(cut.parents[0].tolist()):
+        assert p < i and (p < 0 or cut.scores[0, p] >= cut.scores[0, i])
+
+
+def test_widths_wider_than_the_vocabulary_are_clamped():
+    net, d = target(), drafter()
+    beam = run_expand(d, net, WindowCache(2, 512, 8, torch.float64, "cpu"), prefill(net, [1, 2]), [1, 2, 3], 0,
+                      [64, 2000], 5000)
+    assert beam.size == 40 + 40 * 40  # 40 tokens at level 1, then all 40 x 40 children (not 2000)
+
+
+def test_the_ring_holds_the_last_window_positions_whatever_was_fed():
+    ring = WindowCache(2, 5, 4, torch.float64, "cpu")
+    nbytes = ring.nbytes
+    for lo, hi in ((0, 3), (3, 4), (4, 17), (17, 18)):
+        pos = torch.arange(lo, hi)
+        k = pos.double()[None, :, None].expand(2, -1, 4)
+        ring.write(pos, k, -k)
+        assert sorted(ring.pos.tolist()) == [-1] * max(0, 5 - hi) + [p for p in range(hi - 5, hi) if p >= 0]
+        kept = ring.pos >= 0
+        assert torch.equal(ring.k[0, kept, 0], ring.pos[kept].double())  # each slot's K/V is its position's
+        assert ring.nbytes == nbytes
+    vis = ring.visible(torch.tensor([17, 19]))
+    assert ring.pos[vis[0]].sort().values.tolist() == [13, 14, 15, 16, 17]
+    assert ring.pos[vis[1]].sort().values.tolist() == [15, 16, 17]  # (19 - 5, 19]
