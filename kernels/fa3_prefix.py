@@ -81,10 +81,12 @@ class Fa3Prefix:
         self.batch_size, self.tree_size = bs, tree_size
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-            sm_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+            sm_scale: float, return_lse: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``return_lse=False``: the output alone (a prefix that already holds every key a row
+        sees, as in a width-1 verify, needs no merge), ``(o, None)``."""
         bs, T, hq, d = self.batch_size, self.tree_size, self.num_qo_heads, self.head_dim
         hkv = self.num_kv_heads
-        o, lse, *_ = _flash_attn_with_kvcache()(
+        result = _flash_attn_with_kvcache()(
             q=q.view(bs, T, hq, d),
             k_cache=k_buffer.view(-1, 1, hkv, d),
             v_cache=v_buffer.view(-1, 1, hkv, d),
@@ -92,8 +94,12 @@ class Fa3Prefix:
             cache_seqlens=self.seq_lens,
             softmax_scale=sm_scale,
             causal=False,
-            return_softmax_lse=True,
+            return_softmax_lse=return_lse,
         )
+        if not return_lse:
+            o = result[0] if isinstance(result, (tuple, list)) else result
+            return o.view(bs * T, hq, d), None
+        o, lse, *_ = result
         # An empty prefix gets LSE +inf from FA3 (its convention for a row without keys): make it
         # the merge's "no keys" state, -inf, so the tree part alone decides the row.
         lse = lse.mul_(LOG2_E).masked_fill_((self.seq_lens == 0)[:, None, None], float("-inf"))

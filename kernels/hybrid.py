@@ -117,6 +117,7 @@ class HybridTreeAttention:
         prefix_config: Optional[PrefixKernelConfig] = None,
         max_prefix_len: Optional[int] = None,
         score_rows: int = 0,
+        own_kv_in_prefix: bool = False,
     ) -> str:
         """Fix the metadata of one verification step (shared by all layers).
 
@@ -133,12 +134,21 @@ class HybridTreeAttention:
                 only that far.
             score_rows: the ``score_rows`` that ``run`` will be asked for selection scores with
                 (0: none), so that the Triton path's first row tile holds those rows.
+            own_kv_in_prefix: ``T = 1`` only: the prefix slots end with the token's own slot
+                (its K/V already in the pool), so the row sees all its keys there. A width-1
+                verify is then exactly a decode step: one prefix pass, no tree kernel and no
+                merge (about 4 small launches per layer fewer: a plain step of adaptive
+                speculation costs what SGLang's decode step costs).
 
         Returns the chosen prefix path, ``"fa3"``, ``"triton"`` or ``"flashinfer_fold"``.
         """
         if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
             raise ValueError(f"tree_mask must be [bs, T, T], got {tuple(tree_mask.shape)}")
         batch_size, tree_size = tree_mask.shape[0], tree_mask.shape[1]
+        if own_kv_in_prefix and tree_size != 1:
+            raise ValueError(f"own_kv_in_prefix needs a width-1 verify, got T = {tree_size}")
+        if own_kv_in_prefix and score_rows:
+            raise ValueError("own_kv_in_prefix: the prefix holds the row's own key, which selection scores must not see")
         if kv_indptr.numel() != batch_size + 1:
             raise ValueError("kv_indptr must have bs+1 entries")
         if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
@@ -150,6 +160,7 @@ class HybridTreeAttention:
         self.kv_indptr = kv_indptr
         self.kv_indices = kv_indices
         self.tree_mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+        self.own_kv_in_prefix = own_kv_in_prefix
         self.path = self._choose_path(batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host)
         if self.path == "fa3":
             if max_prefix_len is None and prefix_lens_host:
@@ -261,13 +272,38 @@ class HybridTreeAttention:
             sm_scale = self.sm_scale
         if scores is not None and self.path != "triton":
             prefix_logit_scores(q, k_buffer, self.kv_indptr, self.kv_indices, scores, sm_scale, score_rows=score_rows)
+        if self.path == "flashinfer_fold" and abs(sm_scale - self.sm_scale) > 1e-12 * max(1.0, abs(sm_scale)):
+            raise ValueError("the folded path was planned with a different sm_scale")
+        if self.own_kv_in_prefix:
+            if scores is not None:
+                raise ValueError("no selection scores from a width-1 verify planned with own_kv_in_prefix")
+            return self._run_prefix_only(q, k_buffer, v_buffer, out, lse, sm_scale)
         if self.path == "flashinfer_fold":
-            if abs(sm_scale - self.sm_scale) > 1e-12 * max(1.0, abs(sm_scale)):
-                raise ValueError("the folded path was planned with a different sm_scale")
             return self._run_folded(q, k_buffer, v_buffer, k_tree, v_tree, out, lse)
         if self.path == "fa3":
             return self._run_fa3(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
         return self._run_triton(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale, scores, score_rows)
+
+    def _run_prefix_only(self, q, k_buffer, v_buffer, out, lse, sm_scale):
+        """A width-1 verify whose prefix holds the row's own key: the prefix pass is the whole
+        attention (T = 1, so FA3's and the folded decode's outputs are in ``q``'s row order)."""
+        bs, hq, d = self.batch_size, self.num_qo_heads, self.head_dim
+        if self.path == "fa3":
+            o, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale, return_lse=lse is not None)
+        elif self.path == "flashinfer_fold":
+            o, lse_prefix = self._folded.run(q, k_buffer, v_buffer)
+        else:
+            cfg = self.prefix_config
+            part_o = torch.empty(bs, hq, cfg.num_splits, d, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(bs, hq, cfg.num_splits, dtype=torch.float32, device=q.device)
+            prefix_attention_partials(q, k_buffer, v_buffer, self.kv_indptr, self.kv_indices, 1,
+                                      part_o, part_lse, sm_scale, cfg)
+            merge_split_states(part_o, part_lse, out=out, out_lse=lse)
+            return out
+        out.copy_(o.reshape(bs, hq, d))
+        if lse is not None:
+            lse.copy_(lse_prefix.reshape(bs, hq))
+        return out
 
     def _run_triton(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale, scores=None, score_rows=2):
         cfg = self.prefix_config

@@ -89,7 +89,8 @@ class PartialKVConfig(Strict):
     # KV: refreshed every step from queries closer to what the draft predicts, at the cost of one
     # score row per key in the verify. The first draft after the prompt still uses the "tokenswift"
     # rule (no verify has run yet). Either way the selection only changes the draft, never the
-    # verify, so the output is the same. The reference runtime only for now.
+    # verify, so the output is the same. SGLang: with the longgen and longgen_torch attention
+    # backends (the verify writes the scores; the draft forward reads one slot list per layer).
     policy: Literal["tokenswift", "verify"] = "tokenswift"
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """GPU check of our speculative algorithms inside SGLang (a host with SGLang installed; no network needed).
 
 A Llama-3.1-8B-shaped model with SGLang's dummy weights and random TokenSwift heads (OWL and
-HOWL: a random OWL drafter; NGRAM: SGLang's own method, the peer), ``--algorithms`` in turn:
+HOWL: a random OWL drafter; LONGSPEC: a random LongSpec drafter block; NGRAM: SGLang's own method,
+the peer), ``--algorithms`` in turn:
 
 1. greedy equality: the same prompts through SGLang without speculation and with the algorithm,
    ``--tokens`` new tokens each. Where outputs differ, the plain run's top-2 log-probability gap
@@ -20,13 +21,20 @@ HOWL: a random OWL drafter; NGRAM: SGLang's own method, the peer), ``--algorithm
    draft_wait, draft_tree, verify_launch, accept_queue, walk, observe) on its own;
 3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, ``--owl-draft-vocab``,
    depth 8, top-k 10, 30 nodes) for one request, next to the plain decode step at the first
-   context length.
+   context length;
+4. LongSpec's drafting cost per step (``--phase longspec``): one full beam expansion (widths
+   ``[4, 16, 16, 16, 16]`` cut to 63 nodes, window 512) of an 8B-shaped drafter block for
+   ``--longspec-batch`` requests at each ``--contexts`` length, its cross-attention through the
+   Triton prefix kernel (what the worker runs on a GPU) and through its PyTorch twin, next to the
+   plain decode step at that context.
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
     python -m sgl_longgen.bench.gpu_check --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL  # all of it
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --step-detail 128 --detail-modes host
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --owl-width 4096 2048 1024
+    python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms LONGSPEC
+    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json
 """
 
 from __future__ import annotations
@@ -54,10 +62,10 @@ LLAMA_8B = dict(
 )
 
 
-ALGORITHMS = ("TOKENSWIFT", "OWL", "HOWL", "NGRAM")
+ALGORITHMS = ("TOKENSWIFT", "OWL", "HOWL", "LONGSPEC", "NGRAM")
 
 
-def make_checkpoints(root: Path, budget: int) -> tuple[Path, Path]:
+def make_checkpoints(root: Path, budget: int, policy: str = "tokenswift") -> tuple[Path, Path]:
     import torch
 
     from ..core.heads import TokenSwiftHeads
@@ -69,7 +77,8 @@ def make_checkpoints(root: Path, budget: int) -> tuple[Path, Path]:
     heads = TokenSwiftHeads(LLAMA_8B["hidden_size"], 3, LLAMA_8B["rms_norm_eps"])
     heads.reset_parameters(torch.Generator().manual_seed(0))
     heads.save(heads_dir)
-    (heads_dir / "longgen.toml").write_text(f"[tokenswift.partial_kv]\nbudget = {budget}\nsinks = 16\n")
+    (heads_dir / "longgen.toml").write_text(f"[tokenswift.partial_kv]\nbudget = {budget}\nsinks = 16\n"
+                                            f"policy = \"{policy}\"\n")
     return model, heads_dir
 
 
@@ -89,6 +98,20 @@ def make_owl_drafter(root: Path, width: int, draft_vocab: int) -> Path:
     out = root / f"owl-{width}x{draft_vocab}"
     drafter.save(out)
     return out
+
+
+def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512) -> Path:
+    """A random LongSpec drafter block for a target config (dummy weights: only its cost and
+    losslessness count); for the 8B shape it holds about 250M parameters (1 GB in fp32)."""
+    import msgspec
+    import torch
+
+    from ..core.longspec import LongSpecDrafter
+    from ..runtime.model import ModelConfig
+
+    drafter = LongSpecDrafter.for_target(msgspec.convert(config, ModelConfig), window=window)
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    return drafter.save(root / f"longspec-w{window}")
 
 
 def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:
@@ -257,6 +280,69 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> 
     return out
 
 
+def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, config: dict = LLAMA_8B,
+                        device: str = "cuda") -> dict:
+    """Median time (CUDA events, L2 flushed) of one full LongSpec beam expansion for an 8B-shaped
+    target, ``batch`` requests at each context length: a steady step (the ring already holds the
+    window; the last committed token and the root are fed), its cross-attention reading the
+    context's K/V from a paged pool through the Triton prefix kernel (the worker's GPU path) and
+    through the gather + SDPA twin. Random weights: the tree's shape, not its tokens, sets the cost."""
+    import msgspec
+    import torch
+
+    from ..core.longspec import DEFAULT_WIDTHS, LongSpecDrafter, WindowCache, expand_batch, rope_tables
+    from ..runtime.model import ModelConfig, rope_inv_freq
+    from ..sglang.longspec import committed_attention
+    from .kernels import time_us
+
+    dev, dt = torch.device(device), torch.bfloat16
+    cfg = msgspec.convert(config, ModelConfig)
+    gen = torch.Generator().manual_seed(0)
+    drafter = LongSpecDrafter.for_target(cfg, window=window)
+    drafter.reset_parameters(gen)
+    drafter = drafter.to(dev, dt).eval().requires_grad_(False)
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    embed = torch.nn.Embedding(vocab, hidden).to(dev, dt).requires_grad_(False)
+    head_weight = torch.randn(vocab, hidden, device=dev, dtype=dt) * hidden ** -0.5
+    inv_freq = rope_inv_freq(cfg).to(dev)
+    kv_heads, head_dim = cfg.n_kv_heads, cfg.dim_head
+    slots = max(contexts) * batch + 64
+    k_buffer = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
+    v_buffer = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
+    out: dict = {"batch": batch, "window": window, "widths": list(DEFAULT_WIDTHS), "tree_size": 63}
+
+    def rope(positions):
+        return rope_tables(inv_freq, positions, torch.float32)
+
+    def head(h):
+        return torch.nn.functional.linear(h, head_weight)
+
+    for L in contexts:
+        rows = [torch.randperm(slots, device=dev)[:L].to(torch.int32) for _ in range(batch)]
+        rings = [WindowCache(kv_heads, window, head_dim, dt, dev) for _ in range(batch)]
+        tokens = torch.randint(0, vocab, (L + 1,), generator=gen).tolist()
+        row: dict = {}
+        with torch.no_grad():
+            # The first step of a request feeds the window; the timed ones, two tokens each.
+            first = tokens[-min(window, L + 1):]
+            expand_batch(drafter, embed, head, rope, rings,
+                         committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, False),
+                         [first] * batch, [L + 1 - len(first)] * batch)
+            for name, kernel in (("triton", True), ("torch", False)):
+                def step(kernel=kernel):
+                    attend = committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, kernel)
+                    return expand_batch(drafter, embed, head, rope, rings, attend, [tokens[-2:]] * batch,
+                                        [L - 1] * batch)
+                try:
+                    step()
+                    row[f"beam_{name}_ms"] = round(time_us(step) / 1e3, 3)
+                except Exception as exc:  # report, do not lose the other numbers
+                    row[f"beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out[str(L)] = row
+        del rows, rings
+    return out
+
+
 def host_profile_summary(path: Path, top: int = 30) -> dict:
     """The profiled steps' heaviest functions, as ms per step, by own time and by cumulative time."""
     import pstats
@@ -319,7 +405,7 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
     result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
                     "cuda_graph": not args.no_cuda_graph}
-    if args.algorithm in ("OWL", "HOWL"):
+    if args.algorithm in ("OWL", "HOWL", "LONGSPEC"):
         result["drafter"] = draft.name
     profile_path = None
     if args.host_profile:
@@ -461,16 +547,32 @@ def phase_owl(args, report: dict) -> None:
               f"x = share of an AR step at {first}): {r}", flush=True)
 
 
+def phase_longspec(args, report: dict) -> None:
+    r = longspec_drafter_ms(args.contexts, args.longspec_batch)
+    for L in args.contexts:
+        ar_ms = report.get("ar_step_ms", {}).get(str(L), float("nan"))
+        row = r[str(L)]
+        row["ar_step_ms"] = round(ar_ms, 3)
+        for name in ("triton", "torch"):
+            if f"beam_{name}_ms" in row:
+                row[f"beam_{name}_vs_ar"] = round(row[f"beam_{name}_ms"] / ar_ms, 3)
+        print(f"LongSpec drafter ({args.longspec_batch} request(s), beam [4,16,16,16,16] cut to 63, window 512) at "
+              f"{L}: {row}", flush=True)
+    report["longspec_drafter"] = r
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("tokenswift_gpu_check.json"))
-    p.add_argument("--phase", choices=("all", "plain", "spec", "owl"), default="all",
+    p.add_argument("--phase", choices=("all", "plain", "spec", "owl", "longspec"), default="all",
                    help="run one part; results accumulate in --out (spec needs plain's)")
     p.add_argument("--tokens", type=int, default=2048, help="greedy tokens per prompt for the equality check")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 98304])
     p.add_argument("--timed-tokens", type=int, default=256)
     p.add_argument("--budget", type=int, default=4096, help="partial KV budget B")
+    p.add_argument("--partial-kv-policy", choices=("tokenswift", "verify"), default="tokenswift",
+                   help="TOKENSWIFT's partial-KV selection ([tokenswift.partial_kv] policy of the heads' longgen.toml)")
     p.add_argument("--draft-tokens", type=int, default=64, help="speculative_num_draft_tokens")
     p.add_argument("--attention-backend", default=None,
                    help="backend of the speculative engine (default: SGLang's choice with our plugin loaded)")
@@ -480,8 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithms", "--algorithm", dest="algorithms", nargs="+", choices=ALGORITHMS,
                    default=["TOKENSWIFT"],
                    help="speculative algorithms of the spec phase, one engine each, in order, on the same prompts "
-                        "(OWL/HOWL: a random drafter of --owl-width[0] and --owl-draft-vocab; NGRAM: SGLang's own, "
-                        "the peer; its --draft-tokens is --ngram-draft-tokens)")
+                        "(OWL/HOWL: a random drafter of --owl-width[0] and --owl-draft-vocab; LONGSPEC: a random "
+                        "drafter block, window 512; NGRAM: SGLang's own, the peer; its --draft-tokens is "
+                        "--ngram-draft-tokens)")
     p.add_argument("--ngram-draft-tokens", type=int, default=16, help="speculative_num_draft_tokens of NGRAM")
     p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
     p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
@@ -498,11 +601,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--owl-width", type=int, nargs="+", default=[4096], help="OWL drafter widths for the drafting-cost check")
     p.add_argument("--owl-compile", action="store_true", help="also time the torch.compile'd beam")
     p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")
+    p.add_argument("--longspec-batch", type=int, default=1, help="requests of the LongSpec beam timing (--phase longspec)")
     args = p.parse_args(argv)
 
     rng = random.Random(0)
     root = Path(tempfile.mkdtemp(prefix="longgen_gpu_check_"))
-    model, heads = make_checkpoints(root, args.budget)
+    model, heads = make_checkpoints(root, args.budget, args.partial_kv_policy)
     prompts = [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(args.prompts)]
     long_prompts = {L: [rng.randrange(1000, 120000) for _ in range(L)] for L in args.contexts}
     report = load_report(args.out)
@@ -515,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
             run_args = argparse.Namespace(**vars(args), algorithm=algorithm)
             if algorithm == "NGRAM":
                 run_args.draft_tokens, run_args.step_detail = args.ngram_draft_tokens, 0  # SGLang's worker: untimed
-            draft = {"TOKENSWIFT": lambda: heads, "NGRAM": lambda: None}.get(
+            draft = {"TOKENSWIFT": lambda: heads, "NGRAM": lambda: None,
+                     "LONGSPEC": lambda: make_longspec_drafter(root)}.get(
                 algorithm, lambda: make_owl_drafter(root, args.owl_width[0], args.owl_draft_vocab))()
             try:
                 phase_spec(run_args, model, draft, prompts, long_prompts, report)
@@ -527,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(report), flush=True)
     if args.phase in ("all", "owl"):
         phase_owl(args, report)
+        save_report(args.out, report)
+    if args.phase in ("all", "longspec"):
+        phase_longspec(args, report)
         save_report(args.out, report)
     return 0
 

@@ -11,6 +11,10 @@ Two tables, one run, Llama-3.1-8B attention shape (32 query heads, 8 KV heads, h
   tokens with SGLang's attention vs with the hybrid attention. This is the model forward only;
   SGLang's scheduler adds a fixed ~4 ms per step to every variant.
 
+Both tables also time the hybrid verify with the verification-guided selection scores
+(``run(scores=...)``, TOKENSWIFT's ``partial_kv.policy = "verify"``) on the Triton and FA3 prefix
+paths: ``scores`` lines give the time with them and the overhead over the same path without.
+
 Usage (GPU host)::
 
     python -m sgl_longgen.bench.kernels                      # both tables, default shapes
@@ -95,22 +99,45 @@ class FlashInferDecode:
 
 
 class Hybrid:
-    """The hybrid path with a given prefix backend; the tree's K/V are the pool rows after the prefix."""
+    """The hybrid path with a given prefix backend; the tree's K/V are the pool rows after the prefix.
 
-    def __init__(self, prefix_len, tree, device, backend, config: Optional[PrefixKernelConfig] = None):
+    ``score_rows`` > 0: every call also writes the selection scores of the prefix keys (one buffer,
+    rewritten by every layer of a step: the cost is the same).
+    """
+
+    def __init__(self, prefix_len, tree, device, backend, config: Optional[PrefixKernelConfig] = None,
+                 score_rows: int = 0):
         self.attn = HybridTreeAttention(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, device, prefix_backend=backend)
         self.path = self.attn.plan(
             _i32([0, prefix_len], device), torch.arange(prefix_len, dtype=torch.int32, device=device),
-            tree[None], q_dtype=DTYPE, prefix_lens_host=[prefix_len], prefix_config=config,
+            tree[None], q_dtype=DTYPE, prefix_lens_host=[prefix_len], prefix_config=config, score_rows=score_rows,
         )
         self.prefix_len = prefix_len
         self.tree_size = tree.shape[0]
+        self.score_rows = score_rows
+        self.scores = (torch.zeros(1, NUM_KV_HEADS, max(prefix_len, 1), dtype=torch.float32, device=device)
+                       if score_rows else None)
 
     def __call__(self, q, k_pool, v_pool, k_tree=None, v_tree=None):
         if k_tree is None:
             rows = slice(self.prefix_len, self.prefix_len + self.tree_size)
             k_tree, v_tree = k_pool[rows], v_pool[rows]
-        return self.attn.run(q, k_pool, v_pool, k_tree, v_tree)
+        if self.scores is None:
+            return self.attn.run(q, k_pool, v_pool, k_tree, v_tree)
+        return self.attn.run(q, k_pool, v_pool, k_tree, v_tree, scores=self.scores, score_rows=self.score_rows)
+
+
+SCORE_PATHS = ("triton", "fa3")  # prefix paths timed with the selection scores
+
+
+def print_scores(r, unit: str, flush=False) -> None:
+    parts = []
+    for p in SCORE_PATHS:
+        if f"{p}_scores_{unit}" in r:
+            with_scores, without = r[f"{p}_scores_{unit}"], r[f"{p}_{unit}"]
+            parts.append(f"{p} {with_scores:7.2f} {unit} (+{100 * (with_scores / without - 1):4.1f}%)")
+    if parts:
+        print(f"    scores ctx {r['ctx']:6d} T {r['T']:3d} | " + " | ".join(parts), flush=flush)
 
 
 # --------------------------------------------------------------------------- attention table
@@ -151,12 +178,16 @@ def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> No
                 row[f"{backend}_err"] = err
                 if backend == "triton":
                     row["triton_config"] = dataclasses.asdict(hyb.attn.prefix_config)
+                if backend in SCORE_PATHS:
+                    scored = Hybrid(ctx, tree, device, backend, score_rows=2)
+                    row[f"{backend}_scores_us"] = time_us(lambda: scored(q, k_pool, v_pool))
             auto = Hybrid(ctx, tree, device, "auto")
             row["auto_path"] = auto.path
             if tune:
                 row["tune"] = tune_prefix(ctx, tree, q, k_pool, v_pool, ref, device)
             rows.append(row)
             print_attention_row(row, flush=True)
+            print_scores(row, "us", flush=True)
 
 
 class FlashInferDecodeCache:
@@ -299,18 +330,28 @@ def step_table(contexts, trees, device, num_layers, rows: List[Dict]) -> None:
             if hyb.path != "triton":  # the portable path, for comparison
                 row["hybrid_triton_ms"], _ = time_step_ms(model, T, ctx, Hybrid(ctx, tree, device, "triton"), device)
                 other = f" | triton prefix {row['hybrid_triton_ms']:6.2f} ms ({row['hybrid_triton_ms'] / t_ar:4.2f}x)"
+            # With the selection scores, per prefix path (the step without them: the same path's time).
+            row["triton_ms"] = row.get("hybrid_triton_ms", t_hy)
+            if hyb.path == "fa3":
+                row["fa3_ms"] = t_hy
+            for path in SCORE_PATHS:
+                if f"{path}_ms" in row:
+                    scored = Hybrid(ctx, tree, device, path, score_rows=2)
+                    row[f"{path}_scores_ms"], _ = time_step_ms(model, T, ctx, scored, device)
             rows.append(row)
             print(
                 f"ctx {ctx:6d} T {T:3d} | AR step {t_ar:6.2f} ms | SGLang verify {t_sg:6.2f} ms ({t_sg / t_ar:4.2f}x) | "
                 f"hybrid verify {t_hy:6.2f} ms ({t_hy / t_ar:4.2f}x, {hyb.path}){other} | {row['timing']}",
                 flush=True,
             )
+            print_scores(row, "ms", flush=True)
     del model
     torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
+    global NUM_Q_HEADS, NUM_KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="4096,32768,98304", help="prefix lengths")
     parser.add_argument("--trees", default="16,64,121", help="draft tree sizes T")
@@ -318,7 +359,15 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (step table)")
     parser.add_argument("--tune", action="store_true", help="sweep Triton prefix tiles (attention table)")
     parser.add_argument("--json", help="write all numbers to this file")
+    parser.add_argument("--heads", default=f"{NUM_Q_HEADS}/{NUM_KV_HEADS}",
+                        help="query/KV heads of the attention shape, e.g. 28/4 (Qwen2.5-7B, GQA group 7)")
     args = parser.parse_args(argv)
+    try:
+        NUM_Q_HEADS, NUM_KV_HEADS = (int(x) for x in args.heads.split("/"))
+    except ValueError:
+        parser.error(f"--heads takes Q/KV, e.g. 28/4, not {args.heads!r}")
+    if NUM_Q_HEADS % NUM_KV_HEADS:
+        parser.error(f"--heads {args.heads}: query heads must be a multiple of KV heads")
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -337,7 +386,7 @@ def main(argv=None) -> int:
     print(f"# done in {time.time() - t0:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1, default=str)
+            json.dump(dict(device=torch.cuda.get_device_name(), heads=args.heads, rows=rows), f, indent=1, default=str)
     return 0
 
 

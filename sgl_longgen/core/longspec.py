@@ -31,6 +31,9 @@ K/V with the same positions (only its loss, not its weights, sees them).
 is then cut to the ``tree_size`` best nodes (closed under ancestors: a parent scores at least as
 much as its child and wins ties by coming first). Which nodes are drafted never changes the
 output: every committed token is drawn by the shared per-node walk (:mod:`.verify`).
+:func:`expand_batch` is the same beam for a batch of requests (an engine's step: one block
+forward per level for all of them), the cross-attention handed in by the engine, which reads the
+target's K/V where its cache keeps them; row b is what :func:`expand` builds for request b.
 """
 
 from __future__ import annotations
@@ -198,6 +201,14 @@ class CrossAttention(nn.Module):
             out = _attend(q, keys, values, mask, self.scale)
         return self.o_proj(_merge(out))
 
+    def forward_with(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """:meth:`forward` with the attention supplied by the caller: ``attend(q)``, ``q``
+        ``[..., H, T, D]`` with RoPE, returns the attention over the target's committed K/V. An
+        engine reads those where its cache keeps them (a paged pool) instead of handing them over."""
+        q = apply_rope(_heads(self.q_proj(x), self.heads, self.head_dim), cos, sin)
+        return self.o_proj(_merge(attend(q)))
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
@@ -278,6 +289,16 @@ class LongSpecDrafter(nn.Module):
         h = h + self.mlp(self.post_cross_attention_layernorm(h))
         return self.norm(h), k, v
 
+    def forward_with(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                     ctx_v: torch.Tensor, self_mask: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with the cross-attention's attention supplied (see :meth:`CrossAttention.forward_with`)."""
+        a, k, v = self.self_attn(self.input_layernorm(embeds), cos, sin, ctx_k, ctx_v, self_mask)
+        h = embeds + a
+        h = h + self.cross_attn.forward_with(self.post_self_attention_layernorm(h), cos, sin, attend)
+        h = h + self.mlp(self.post_cross_attention_layernorm(h))
+        return self.norm(h), k, v
+
     # -- checkpoint ----------------------------------------------------------------------------
 
     def config(self) -> dict:
@@ -302,6 +323,31 @@ def target_settings(cfg) -> dict:
     return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_heads": cfg.num_attention_heads,
             "num_kv_heads": cfg.n_kv_heads, "head_dim": cfg.dim_head, "rope_theta": float(cfg.rope_theta),
             "rope_scaling": cfg.rope_scaling}
+
+
+def rope_scaling_key(scaling) -> dict | None:
+    """A RoPE scaling table in one spelling, for comparing a checkpoint's with a target's: ``type``
+    read as ``rope_type``, a ``rope_theta`` folded in (transformers 5 keeps it in
+    ``rope_parameters``) dropped, and no scaling at all (None, empty, ``rope_type = "default"``
+    alone) as None."""
+    if not scaling:
+        return None
+    out = {k: v for k, v in dict(scaling).items() if k not in ("rope_theta", "type")}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default" and not set(out) - {"rope_type"}:
+        return None
+    out["rope_type"] = kind
+    return {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in out.items()}
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` of a HF config, a mapping or an object, in either spelling:
+    top-level ``rope_theta``/``rope_scaling``, or ``rope_parameters`` holding both (transformers 5)."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    params = get("rope_parameters")
+    if isinstance(params, dict) and params:
+        return float(params.get("rope_theta", get("rope_theta", 10000.0) or 10000.0)), rope_scaling_key(params)
+    return float(get("rope_theta", 10000.0) or 10000.0), rope_scaling_key(get("rope_scaling"))
 
 
 def _positive_int(value) -> bool:
@@ -526,6 +572,115 @@ def expand(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tenso
         front = torch.arange(size, size + w, device=dev)
         size += w
     return select_nodes(torch.cat(pool_s), torch.cat(pool_t), torch.cat(pool_p), torch.cat(pool_d), tree_size)
+
+
+# positions [...] -> (cos, sin) [..., head_dim]: the target's RoPE at those positions
+Rope = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# q [B, H, T, D] (RoPE applied) -> [B, H, T, D]: each request's queries over its committed target K/V
+Attend = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _window_visible(ring_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """:meth:`WindowCache.visible` of stacked rings: ``ring_pos [B, W]``, ``query_pos [B, T]`` -> ``[B, T, W]``."""
+    p, q = ring_pos[:, None, :], query_pos[:, :, None]
+    return (p >= 0) & (p <= q) & (p > q - window)
+
+
+@torch.no_grad()
+def expand_batch(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor],
+                 head: Callable[[torch.Tensor], torch.Tensor], rope: Rope, rings: Sequence[WindowCache],
+                 attend: Attend, pending: Sequence[Sequence[int]], starts: Sequence[int],
+                 widths: Sequence[int] = DEFAULT_WIDTHS, tree_size: int = 63) -> DraftBeam:
+    """:func:`expand` for a batch of requests, one drafter forward per level for all of them.
+
+    Every request's beam has the same shape (the same widths, the same vocabulary), so a level is
+    one ``[B, n]`` forward: its self-attention keys are each request's ring, its earlier tree nodes
+    and its own rows (masks per request), its cross-attention is ``attend`` (each request's
+    queries over the target's K/V of its committed positions ``[0, L_b)``, read however the
+    engine keeps them). ``rope``: the target's cos/sin at given positions. ``rings[b]``,
+    ``pending[b]``, ``starts[b]``: as ``ring``, ``pending``, ``start`` of :func:`expand`. Returns
+    ``[B, N]`` tensors, row b the tree :func:`expand` builds for request b.
+    """
+    if not rings or len(rings) != len(pending) or len(pending) != len(starts):
+        raise ValueError("one ring, one pending list and one start per request")
+    if any(not p for p in pending):
+        raise ValueError("the drafter needs at least the root token")
+    B = len(rings)
+    dev, dt = rings[0].k.device, rings[0].k.dtype
+    W = drafter.window
+    lengths = [s + len(p) - 1 for s, p in zip(starts, pending)]  # L_b: committed tokens, the root's position
+    feeds = [list(p)[-W:] for p in pending]
+
+    # The pending tokens join their rings: one window-K/V pass for the batch.
+    pos = torch.cat([torch.arange(L - len(f) + 1, L + 1) for f, L in zip(feeds, lengths)]).to(dev)
+    cos, sin = rope(pos)
+    k, v = drafter.window_kv(embed(torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)).to(dt),
+                             cos, sin)
+    offset = 0
+    for ring, f in zip(rings, feeds):
+        ring.write(pos[offset : offset + len(f)], k[:, offset : offset + len(f)], v[:, offset : offset + len(f)])
+        offset += len(f)
+    ring_k = torch.stack([r.k for r in rings])  # [B, Hkv, W, D]
+    ring_v = torch.stack([r.v for r in rings])
+    ring_pos = torch.stack([r.pos for r in rings])  # [B, W]
+    L = torch.tensor(lengths, dtype=torch.long, device=dev)
+
+    # The roots: their windows are the rings (their own slots masked: their own keys come last).
+    root_pos = L[:, None]
+    x = embed(torch.tensor([f[-1] for f in feeds], dtype=torch.long, device=dev))[:, None].to(dt)
+    r_cos, r_sin = rope(root_pos)
+    mask = _window_visible(ring_pos, root_pos, W) & (ring_pos != L[:, None])[:, None, :]
+    mask = torch.cat([mask, torch.ones(B, 1, 1, dtype=torch.bool, device=dev)], dim=2)
+    h, _, _ = drafter.forward_with(x, r_cos, r_sin, ring_k, ring_v, mask, attend)
+    logp = torch.log_softmax(head(h).to(torch.float64 if dt == torch.float64 else torch.float32), dim=-1)[:, 0]
+    V = logp.shape[-1]
+    w = min(widths[0], V)
+    score, token = logp.topk(w, dim=-1)  # [B, w]
+    pool_s, pool_t = [score], [token]
+    pool_p = [torch.full((B, w), -1, dtype=torch.long, device=dev)]
+    pool_d = [torch.ones(w, dtype=torch.long, device=dev)]
+    anc = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # [B, P, P], as in expand
+    front = torch.arange(w, device=dev)
+    done_k = done_v = None
+    done = torch.zeros(0, dtype=torch.long, device=dev)
+    size = w
+    for level in range(2, len(widths) + 1):
+        n = front.shape[0]
+        fpos = (L + (level - 1))[:, None].expand(B, n)
+        f_cos, f_sin = rope(fpos)
+        x = embed(torch.cat(pool_t, dim=1)[:, front]).to(dt)
+        parts_k, parts_v, masks = [ring_k], [ring_v], [_window_visible(ring_pos, fpos, W)]
+        if done_k is not None:
+            parts_k.append(done_k)
+            parts_v.append(done_v)
+            near = (level - 1 - torch.cat(pool_d)[done]) < W
+            masks.append(anc[:, front][:, :, done] & near[None, None, :])
+        masks.append(torch.eye(n, dtype=torch.bool, device=dev).expand(B, n, n))
+        h, fk, fv = drafter.forward_with(x, f_cos, f_sin, torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2),
+                                         torch.cat(masks, dim=2), attend)
+        done_k = fk if done_k is None else torch.cat([done_k, fk], dim=2)
+        done_v = fv if done_v is None else torch.cat([done_v, fv], dim=2)
+        done = torch.cat([done, front])
+        logp = torch.log_softmax(head(h).to(score.dtype), dim=-1)  # [B, n, V]
+        cand = (torch.cat(pool_s, dim=1)[:, front][:, :, None] + logp).reshape(B, -1)
+        w = min(widths[level - 1], cand.shape[1])
+        score, flat = cand.topk(w, dim=-1)
+        parent = front[flat // V]  # [B, w]
+        pool_s.append(score)
+        pool_t.append(flat % V)
+        pool_p.append(parent)
+        pool_d.append(torch.full((w,), level, dtype=torch.long, device=dev))
+        grown = torch.zeros(B, size + w, size + w, dtype=torch.bool, device=dev)
+        grown[:, :size, :size] = anc
+        grown[:, size:, :size] = anc.gather(1, parent[:, :, None].expand(B, w, size))
+        grown[:, size:, size:] = torch.eye(w, dtype=torch.bool, device=dev)
+        anc = grown
+        front = torch.arange(size, size + w, device=dev)
+        size += w
+    scores, tokens, parents = torch.cat(pool_s, dim=1), torch.cat(pool_t, dim=1), torch.cat(pool_p, dim=1)
+    depths = torch.cat(pool_d)
+    rows = [select_nodes(scores[b], tokens[b], parents[b], depths, tree_size) for b in range(B)]
+    return DraftBeam(*(torch.cat([getattr(r, f) for r in rows]) for f in ("tokens", "parents", "depths", "scores")))
 
 
 def beam_tree(beam: DraftBeam, root: int, row: int = 0) -> DraftTree:

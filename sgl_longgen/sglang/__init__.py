@@ -11,6 +11,8 @@ processes. It must stay cheap: the workers are imported only when a scheduler bu
 ``tokenswift``     TOKENSWIFT's drafter: the partial-KV draft forward and its CUDA graphs
 ``pipeline``       the draft forward queued ahead of the step that uses it
 ``owl``            OWL's and HOWL's drafters: hidden states in, [SPEC] embeddings out
+``longspec``       LONGSPEC's drafter: a window ring per request, cross-attention into the KV pool
+``adaptive``       adaptive speculation: each step plain or speculative, runs of plain steps
 ``backends``       ``longgen`` (hybrid tree attention) and ``longgen_torch`` attention backends
 ``timing``         opt-in per-request step timing (``custom_params``)
 ``cpu``            SGLang's CPU engine without sgl_kernel's CPU build

@@ -17,7 +17,8 @@ what differs in a serving engine:
   (from the steps before this one: lossless all the same, the choice never sees a token it
   governs) and kept if the batch is unchanged at the next step.
 * **A plain step** is a verify of the root alone (a width-1 TARGET_VERIFY: on a GPU its own CUDA
-  graph, see :mod:`.plain_graph`), the draws and commit of every other step, no draft forward.
+  graph, see :mod:`.plain_graph`), the draws and commit of every other step, no draft forward;
+  the worker may queue a run of them in one call (one token each), priced per token.
 
 Per request, ``custom_params``:
 
@@ -87,6 +88,7 @@ class _Step:
     costs: StepCosts | None = None
     started: float = 0.0
     priced: bool = True  # its cycle is a sample of its shape's cost
+    tokens: int = 1  # plain steps it ran (a plain run's cycle is priced per step)
 
 
 class AdaptiveSteps:
@@ -118,7 +120,7 @@ class AdaptiveSteps:
         last = self._current
         if last is not None and last.costs is not None and last.priced:
             ema = last.costs.spec if last.kind == SPECULATE else last.costs.plain
-            seconds = now - last.started
+            seconds = (now - last.started) / (1 if last.kind == SPECULATE else last.tokens)
             if ema.value is None or seconds <= OUTLIER * ema.value:
                 ema.add(seconds)
         states = [self.state(s) for s in steps]
@@ -172,25 +174,29 @@ class AdaptiveSteps:
     # -- what the step did -------------------------------------------------------------------
 
     def record(self, steps, counts: list[int], kind: str) -> list[dict]:
-        """Each request's outcome; returns the report values of the requests that asked."""
+        """Each request's outcome (``counts``: tokens committed; a plain call that ran several
+        plain steps committed one per step); returns the report values of the requests that asked."""
         probes = self._current.probes if self._current is not None else {}
         costs = self._current.costs if self._current is not None else None
         reports = []
         if kind == SPECULATE and self._current is not None:
             self._current.priced = all(self.state(s).spec_steps >= SETTLE or s.blocker is not None for s in steps)
+        if kind != SPECULATE and self._current is not None:
+            self._current.tokens = max(counts, default=1)
         for s, n in zip(steps, counts):
             st = self.state(s)
             if kind == SPECULATE:
                 st.spec_steps += 1
                 st.spec_tokens += n
             else:
-                st.plain_steps += 1
+                st.plain_steps += n
             c = st.controller
             if c is not None and s.blocker is None:
                 if kind == SPECULATE:
                     c.record_spec(n, probe=probes.get(s.rid, False))
                 else:
-                    c.record_plain()
+                    for _ in range(n):
+                        c.record_plain()
             if st.report:
                 reports.append(self._report(st, costs))
             else:

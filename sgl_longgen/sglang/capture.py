@@ -1,17 +1,27 @@
-"""Reading what SGLang's model forward does not return: the pre-norm state and Eq. 2 scores.
+"""Reading what SGLang's model forward does not return: the pre-norm state, Eq. 2 scores, and
+the verify forward's selection scores.
 
-Both are torch module hooks installed on *our* worker's model when the worker is built, so a
-server that does not run our algorithms pays nothing.
+The first two are torch module hooks installed on *our* worker's model when the worker is built,
+so a server that does not run our algorithms pays nothing. The verify's scores are written by
+our attention backends into :class:`VerifyScores`, which exists only on a server whose draft
+directory asks for ``[tokenswift.partial_kv] policy = "verify"``.
 """
 
 from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..core.partial_kv import gqa_importance
+from ..core.verify_scores import score_rows
 from ..errors import LonggenError
 from .inputs import PartialDraftInput
+
+logger = logging.getLogger(__name__)
 
 SCORE_CHUNK = 32768
 
@@ -121,3 +131,100 @@ class ImportanceScorer:
             acc = torch.softmax(s, dim=-1).sum(dim=0)
             spec.scores[b] = acc if b not in spec.scores else spec.scores[b] + acc
         return None
+
+
+def verify_policy_requested(server_args) -> bool:
+    """The server runs TOKENSWIFT with ``[tokenswift.partial_kv] policy = "verify"`` (its draft
+    directory's ``longgen.toml``, checked at startup by the plugin)."""
+    if (getattr(server_args, "speculative_algorithm", None) or "").upper() != "TOKENSWIFT":
+        return False
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    if not path or not Path(path).is_dir():
+        return False
+    from .draft_dir import read_defaults
+
+    try:
+        return read_defaults(Path(path)).tokenswift.partial_kv.policy == "verify"
+    except LonggenError:
+        return False  # refused at startup already; the drafter says so again
+
+
+class VerifyScores:
+    """Where a verify forward leaves its per-layer selection scores (SpecAttn's verification-guided
+    partial KV, :mod:`sgl_longgen.core.verify_scores`).
+
+    The attention backends write, per layer, the mean pre-softmax logit of the verify's first
+    :func:`~sgl_longgen.core.verify_scores.score_rows` rows of each request against every key of its
+    committed prefix, per KV head of this rank: ``[bs, layers, kv_heads, context_len]`` fp32
+    (entries past a request's prefix are stale). TOKENSWIFT's drafter takes them once the verify is
+    queued and ranks them on the device (:func:`sgl_longgen.sglang.tokenswift.verified_selection`).
+
+    One store per model runner, shared by every backend built on it (adaptive speculation's width-1
+    graphs have a backend of their own), so the drafter finds the last verify's scores whichever
+    backend ran it. CUDA graphs write into one persistent buffer sized by the graphs' largest batch
+    and the context length (an 8B Llama at 128K context: 128 MiB per request), allocated when the
+    first graph is captured and never moved afterwards; eager verifies reuse it when it is large
+    enough.
+    """
+
+    _by_runner: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, num_layers: int, num_kv_heads: int, context_len: int, device):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.context_len = context_len
+        self.device = torch.device(device)
+        self.buffer: torch.Tensor | None = None
+        self.fixed = False  # a CUDA graph writes into ``buffer``: it never moves again
+        self.current: torch.Tensor | None = None  # the last verify's [bs, layers, kv_heads, ctx]
+        self.rows = 0  # its score rows
+
+    @classmethod
+    def of(cls, model_runner) -> "VerifyScores | None":
+        """The runner's store when its server asks for verify scores (None otherwise)."""
+        try:
+            return cls._by_runner[model_runner]
+        except KeyError:
+            pass
+        store = None
+        if verify_policy_requested(model_runner.server_args):
+            from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+            cfg = model_runner.model_config
+            layers = getattr(cfg, "num_attention_layers", None) or cfg.num_hidden_layers
+            store = cls(layers, cfg.get_num_kv_heads(get_attn_tp_group().world_size), cfg.context_len,
+                        model_runner.device)
+        cls._by_runner[model_runner] = store
+        return store
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        shape = (rows, self.num_layers, self.num_kv_heads, self.context_len)
+        logger.info("verify selection scores: %d x %d layers x %d KV heads x %d positions (%.0f MiB)",
+                    *shape, 4 * rows * self.num_layers * self.num_kv_heads * self.context_len / 2**20)
+        return torch.zeros(shape, dtype=torch.float32, device=self.device)
+
+    def begin(self, batch_size: int, tree_size: int, graph_rows: int | None = None) -> torch.Tensor:
+        """This verify's output, ``[batch_size, layers, kv_heads, context_len]``; it also becomes
+        what :meth:`take` returns. ``graph_rows``: a CUDA graph is being captured or replayed with
+        batches up to that many requests, so the persistent buffer is used (allocated now if
+        needed: call this outside the capture)."""
+        buf = self.buffer
+        if graph_rows is not None:
+            if buf is None or (buf.shape[0] < graph_rows and not self.fixed):
+                buf = self.buffer = self._allocate(max(graph_rows, batch_size))
+            if buf.shape[0] < batch_size:
+                raise RuntimeError(f"verify scores for {batch_size} requests, the graphs' buffer holds {buf.shape[0]}")
+            self.fixed = True
+        elif buf is None or buf.shape[0] < batch_size:
+            if self.fixed:  # a batch larger than any graph's: a buffer of its own for this step
+                buf = self._allocate(batch_size)
+            else:
+                buf = self.buffer = self._allocate(batch_size)
+        self.current = buf[:batch_size]
+        self.rows = score_rows(tree_size)
+        return self.current
+
+    def take(self, batch_size: int) -> torch.Tensor | None:
+        """The last verify's scores for its first ``batch_size`` requests, once (None: none since)."""
+        current, self.current = self.current, None
+        return None if current is None else current[:batch_size]

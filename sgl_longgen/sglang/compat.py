@@ -76,6 +76,7 @@ SYMBOLS: tuple[Need, ...] = (
     Need("sglang.srt.model_executor.forward_context.ForwardContext", "draft graph capture"),
     Need("sglang.srt.model_executor.runner_utils.capture_mode", "draft graph capture (is_capture_mode)"),
     Need("sglang.srt.layers.radix_attention.RadixAttention", "partial-KV importance scores per layer"),
+    Need("sglang.srt.layers.rotary_embedding.RotaryEmbedding", "LONGSPEC: the target's RoPE table for its queries"),
     Need("sglang.srt.distributed.parallel_state.get_tp_group", "tensor parallelism: the LM head's vocabulary shards"),
     Need("sglang.srt.distributed.parallel_state.get_attn_tp_group",
          "tensor parallelism: summing the ranks' partial-KV scores, the attention-TP LM head's shards"),
@@ -135,10 +136,12 @@ CPU_HOOKS: dict[str, tuple[str, str, str]] = {
 MEMBERS: dict[str, tuple[str, ...]] = {
     "sglang.srt.managers.schedule_batch.Req": (
         "rid", "origin_input_ids", "output_ids", "sampling_params", "grammar", "custom_logit_processor",
-        "return_logprob", "customized_info", "req_pool_idx", "eos_token_ids", "tokenizer"),
+        "return_logprob", "customized_info", "req_pool_idx", "eos_token_ids", "tokenizer",
+        # a run of plain steps counts each forward as SGLang's verify (spec_accept_length)
+        "spec_verify_ct", "spec_num_correct_drafts", "return_hidden_states"),
     "sglang.srt.managers.schedule_batch.ScheduleBatch": (
-        "reqs", "forward_mode", "seq_lens", "seq_lens_cpu", "req_to_token_pool", "req_pool_indices", "input_ids",
-        "out_cache_loc", "spec_info", "sampling_info", "return_logprob"),
+        "reqs", "forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "req_to_token_pool", "req_pool_indices",
+        "input_ids", "out_cache_loc", "spec_info", "sampling_info", "return_logprob"),
     "sglang.srt.sampling.sampling_params.SamplingParams": (
         "custom_params", "sampling_seed", "top_k", "temperature", "top_p", "min_p", "frequency_penalty",
         "presence_penalty", "repetition_penalty", "min_new_tokens", "max_new_tokens", "ignore_eos",
@@ -156,7 +159,12 @@ MEMBERS: dict[str, tuple[str, ...]] = {
     "sglang.srt.plugins.hook_registry.HookRegistry": ("register", "apply_hooks", "_patched"),
     "sglang.srt.managers.tokenizer_manager.TokenizerManager": ("model_config", "_subprocess_watchdog"),
     "sglang.srt.server_args.ServerArgs": ("return_hidden_states_mode", "attention_backend", "page_size",
-                                          "speculative_num_draft_tokens", "disable_overlap_schedule"),
+                                          "speculative_num_draft_tokens", "disable_overlap_schedule",
+                                          "tp_size", "pp_size", "kv_cache_dtype"),
+    # LONGSPEC: the queries' RoPE from the target's own table, the last layer's id in the KV pool.
+    "sglang.srt.layers.rotary_embedding.RotaryEmbedding": ("cos_sin_cache", "rotary_dim", "head_size",
+                                                           "is_neox_style", "forward_native"),
+    "sglang.srt.layers.radix_attention.RadixAttention": ("layer_id",),
 }
 
 # -- fields of live objects, checked when a worker is built -------------------------------------
@@ -170,10 +178,14 @@ FIELDS: dict[str, tuple[str, ...]] = {
     # What the draft forward's CUDA graphs re-plan and fill (FlashInfer decode wrappers).
     "graph_backend": ("kv_indptr", "cuda_graph_kv_indices", "decode_cuda_graph_metadata",
                       "init_forward_metadata_out_graph", "init_forward_metadata"),
-    # FlashInfer's decode wrapper: a re-plan replaces its plan object (read to skip re-planning).
-    "decode_wrapper": ("_plan_info",),
+    # FlashInfer's decode wrapper: a re-plan replaces its plan object (read to skip re-planning);
+    # the slots it reads when it runs (a per-layer partial-KV draft refills them per layer).
+    "decode_wrapper": ("_plan_info", "_paged_kv_indices_buf"),
     # Adaptive speculation's plain steps: a width-1 graph runner installed for their forwards.
     "plain_graphs": ("decode_cuda_graph_runner", "attn_backend"),
+    # LONGSPEC: the target's settings its drafter must share; the KV pool its cross-attention reads.
+    "model_config": ("hf_text_config", "vocab_size", "context_len"),
+    "kv_pool": ("get_kv_buffer", "dtype"),
 }
 
 

@@ -1,8 +1,9 @@
 """The directory behind ``--speculative-draft-model-path``: checked before the server starts.
 
 TOKENSWIFT reads a heads checkpoint (``heads.json`` + ``heads.safetensors``), OWL and HOWL an LSTM
-drafter (``owl.json`` + ``owl.safetensors``); either may carry a ``longgen.toml`` with the
-checkpoint's defaults (tree, n-gram, partial KV, OWL/suffix/HOWL settings, penalty). Every problem
+drafter (``owl.json`` + ``owl.safetensors``), LONGSPEC a one-block drafter (``longspec.json`` +
+``longspec.safetensors``); each may carry a ``longgen.toml`` with the checkpoint's defaults (tree,
+n-gram, partial KV, OWL/suffix/HOWL/LongSpec settings, penalty). Every problem
 is reported naming the file while the server is still starting, instead of as a tensor-shape
 error deep inside a scheduler process. Only file headers are read here.
 """
@@ -15,6 +16,10 @@ from pathlib import Path
 
 from ..config import GenerateConfig, convert, load_toml
 from ..core.heads import check_heads
+from ..core.longspec import CONFIG_FILE as LONGSPEC_CONFIG
+from ..core.longspec import check_drafter as check_longspec_drafter
+from ..core.longspec import read_drafter_config as read_longspec_config
+from ..core.longspec import rope_scaling_key, rope_settings
 from ..core.owl import check_drafter
 from ..errors import LonggenError
 
@@ -24,7 +29,7 @@ DEFAULTS_FILE = "longgen.toml"
 @dataclass
 class DraftDir:
     path: Path
-    checkpoint: dict  # heads.json or owl.json
+    checkpoint: dict  # heads.json, owl.json or longspec.json
     defaults: GenerateConfig  # the server reads its method tables and sampling.penalty*
 
 
@@ -73,3 +78,42 @@ def inspect_owl_draft_dir(path: str | Path | None, model_path: str | Path) -> Dr
         raise LonggenError(f"{path / 'owl.json'}: the drafter was trained without [SPEC]; "
                            f"set [owl] spec = false in {path / DEFAULTS_FILE}")
     return DraftDir(path, cfg, defaults)
+
+
+def longspec_target(config) -> dict:
+    """What a LongSpec drafter must share with its target, keyed as in ``longspec.json``, from the
+    target's HF config: a ``config.json`` mapping or a parsed config object (transformers 5 folds
+    ``rope_theta`` and ``rope_scaling`` into ``rope_parameters``; either spelling is read)."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    theta, scaling = rope_settings(config)
+    return {"hidden_size": hidden, "vocab_size": get("vocab_size"), "num_heads": heads,
+            "num_kv_heads": get("num_key_value_heads") or heads,
+            "head_dim": get("head_dim") or (hidden // heads if hidden and heads else None),
+            "rope_theta": theta, "rope_scaling": scaling}
+
+
+def check_longspec_target(path: Path, checkpoint: dict, target: dict) -> None:
+    """The drafter was built for this target: its queries meet the target's last-layer keys, so
+    the shapes and the RoPE (theta and scaling, compared in one spelling) must be the target's."""
+    for key, want in target.items():
+        have = checkpoint.get(key)
+        if key == "rope_theta":
+            same = float(have) == float(want)
+        elif key == "rope_scaling":
+            same = rope_scaling_key(have) == rope_scaling_key(want)
+        else:
+            same = have == want
+        if not same:
+            raise LonggenError(f"LongSpec drafter in {path} was built for {key} = {have!r} but the model's is "
+                               f"{want!r} ({path / LONGSPEC_CONFIG})")
+
+
+def inspect_longspec_draft_dir(path: str | Path | None, model_path: str | Path) -> DraftDir:
+    """LONGSPEC: a drafter block for the target's shape and RoPE (checked against its config.json
+    where the model is a local directory; the worker checks SGLang's parsed config again)."""
+    path = _require(path, "LONGSPEC", "longspec.json and longspec.safetensors")
+    target = target_config(model_path)
+    if target:  # first: a drafter for another model is named as such, not by a tensor shape
+        check_longspec_target(path, read_longspec_config(path), longspec_target(target))
+    return DraftDir(path, check_longspec_drafter(path), read_defaults(path))

@@ -13,6 +13,11 @@ heads in one GEMM, and their top-k) is captured in the same graph.
 A replay needs only the few tensors the graph reads (:data:`INPUTS`), so a step whose graph
 exists skips building a ``ForwardBatch`` (:meth:`DraftGraphRunner.replay`).
 
+Drafts that read one slot list per layer (``PartialDraftInput.layer_kv_indices``, the ``verify``
+partial-KV policy) replay from a persistent ``[layers, bs * kv_width]`` buffer of their own: the
+graph captures each layer's copy of its row into the decode wrapper's indices (see the ``longgen``
+backend's ``forward_decode``), so the copy is as wide as any draft of that batch size can be.
+
 Steps that re-score the committed positions for the partial-KV policy (forward hooks that read
 each layer's query) stay eager, as does anything the runner cannot serve. The first replay of
 each captured size is compared with the eager forward it was captured from, and so is the first
@@ -48,16 +53,21 @@ class _Graph:
     outputs: tuple[torch.Tensor, ...]
     checked: bool = False  # a replay on other inputs than the capture's matched the eager forward
     plan: tuple | None = None  # (KV lengths, the wrappers' plan objects) of the last plan we made
+    layer_indices: torch.Tensor | None = None  # [layers, bs * kv_width]: per-layer drafts' slots
 
 
 class DraftGraphRunner:
-    """``post(normed_states, pre_norm_states)`` runs after the forward, in the graph when there is one."""
+    """``post(normed_states, pre_norm_states)`` runs after the forward, in the graph when there is one.
 
-    def __init__(self, model_runner, capture, post: Post, max_bs: int = 8):
+    ``kv_width``: the most KV slots one request's draft reads (per-layer drafts only).
+    """
+
+    def __init__(self, model_runner, capture, post: Post, max_bs: int = 8, kv_width: int | None = None):
         self.runner = model_runner
         self.capture = capture  # PreNormCapture on the same model
         self.post = post
         self.max_bs = max_bs
+        self.kv_width = kv_width
         self.graphs: dict[int, _Graph] = {}
         self.enabled: bool | None = None  # decided at the first draft: the backend exists by then
 
@@ -129,7 +139,7 @@ class DraftGraphRunner:
             with self._context():
                 self.runner.attn_backend.init_forward_metadata_out_graph(static, in_capture=False)
             entry.plan = (lens, self._plan_infos(static.batch_size))
-        self._bind(static.batch_size, inputs.spec_info)
+        self._bind(entry, inputs.spec_info)
 
     def _plan_infos(self, bs: int) -> tuple:
         wrappers = self.runner.attn_backend.decode_cuda_graph_metadata.get(bs, ())
@@ -151,20 +161,27 @@ class DraftGraphRunner:
         return len(current) == len(entry.plan[1]) and all(
             a is not None and a is b for a, b in zip(current, entry.plan[1]))
 
-    def _bind(self, bs: int, spec) -> None:
+    def _bind(self, entry: _Graph, spec) -> None:
         """Put this step's ``kv_indptr`` / ``kv_indices`` where the captured kernels read them.
 
         Re-planning a graph's decode wrappers goes through FlashInfer's ``fast_decode_plan``,
         which copies neither: SGLang's own draft backends write them straight into the
         backend's graph buffers (``kv_indptr[i]``, ``cuda_graph_kv_indices[i]``). The verify
         graph fills the same buffers with its slots, so without this copy a replay would attend
-        to the last verify's first positions instead of the partial KV.
+        to the last verify's first positions instead of the partial KV. Per-layer slot lists go
+        into the graph's own buffer, which its captured per-layer copies read.
         """
         backend = self.runner.attn_backend
+        bs = entry.batch.batch_size
         n = spec.kv_indices.numel()
         for i in range(getattr(backend, "num_wrappers", 1)):
             backend.kv_indptr[i][: bs + 1].copy_(spec.kv_indptr, non_blocking=True)
             backend.cuda_graph_kv_indices[i][:n].copy_(spec.kv_indices, non_blocking=True)
+        per_layer = getattr(spec, "layer_kv_indices", None)
+        if (per_layer is None) != (entry.layer_indices is None):
+            raise RuntimeError("a draft graph replayed with and without per-layer KV indices")
+        if per_layer is not None and per_layer is not entry.layer_indices:
+            entry.layer_indices[:, : per_layer.shape[1]].copy_(per_layer, non_blocking=True)
 
     def _forward(self, forward_batch):
         model = self.runner.model
@@ -197,6 +214,21 @@ class DraftGraphRunner:
             logger.warning("draft CUDA graphs off (batch size %d): %s", bs, why)
         return outputs
 
+    def _layer_buffer(self, spec, bs: int) -> torch.Tensor | None:
+        """A per-layer draft's persistent slot buffer, holding this draft's lists (None otherwise)."""
+        per_layer = getattr(spec, "layer_kv_indices", None)
+        if per_layer is None:
+            return None
+        if self.kv_width is None:
+            raise RuntimeError("per-layer draft KV indices need the draft graph runner's kv_width")
+        layers, n = per_layer.shape
+        if n > bs * self.kv_width:
+            raise RuntimeError(f"a draft of {n} KV slots for {bs} requests, at most {self.kv_width} each")
+        buf = torch.zeros(layers, bs * self.kv_width, dtype=per_layer.dtype, device=per_layer.device)
+        buf[:, :n].copy_(per_layer)
+        spec.layer_kv_indices = buf  # what the captured per-layer copies read
+        return buf
+
     def _capture(self, forward_batch) -> tuple[torch.Tensor, ...]:
         """Capture for this batch size, then check one replay against the eager forward."""
         from sglang.srt.model_executor.runner_utils import capture_mode
@@ -204,6 +236,7 @@ class DraftGraphRunner:
         bs = forward_batch.batch_size
         for name in _STATIC:  # the graph's inputs: tensors this runner owns from now on
             setattr(forward_batch, name, getattr(forward_batch, name).clone())
+        layer_indices = self._layer_buffer(forward_batch.spec_info, bs)
         backend = self.runner.attn_backend
         try:
             with self._context():
@@ -219,7 +252,7 @@ class DraftGraphRunner:
                         normed, outputs = self._forward(forward_batch)
                 finally:
                     capture_mode.is_capture_mode = previous
-            entry = _Graph(graph, forward_batch, normed, outputs)
+            entry = _Graph(graph, forward_batch, normed, outputs, layer_indices=layer_indices)
             self._load(entry, forward_batch)
             graph.replay()
             torch.cuda.synchronize()

@@ -50,16 +50,24 @@ class PartialDraftInput(SpecInput):
     ours) attend exactly to those slots: TokenSwift's partial KV without copying any KV.
     ``score_ranges[b]`` asks for importance scores of request b's root query over its committed
     positions ``[lo, hi)`` (partial-KV re-selection); ``scores[b]`` receives them.
+
+    ``layer_kv_indices`` (``[layers, len(kv_indices)]``, under ``partial_kv.policy = "verify"``):
+    one slot list per layer, laid out alike (``kv_indptr`` holds for every row): layer ``l``
+    attends exactly to row ``l``. Our backends read it (``longgen_torch`` directly; ``longgen``
+    copies row ``l`` into the indices its decode wrapper reads before layer ``l``); ``kv_indices``
+    is then a scratch copy of row 0 that plans the decode and may be overwritten.
     """
 
     def __init__(self, *, positions: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                 score_ranges: list[tuple[int, int] | None] | None = None):
+                 score_ranges: list[tuple[int, int] | None] | None = None,
+                 layer_kv_indices: torch.Tensor | None = None):
         super().__init__(SpecInputType.EAGLE_DRAFT)
         self.score_ranges = score_ranges or []
         self.scores: dict[int, torch.Tensor] = {}
         self.positions = positions
         self.kv_indptr = kv_indptr
         self.kv_indices = kv_indices
+        self.layer_kv_indices = layer_kv_indices
         self.custom_mask = None
         self.hidden_states = None
         self.capture_hidden_mode = CaptureHiddenMode.NULL

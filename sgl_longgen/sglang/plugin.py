@@ -1,6 +1,6 @@
 """What the plugin installs into SGLang (in every SGLang process, through :func:`install`).
 
-* the speculative algorithms (``--speculative-algorithm TOKENSWIFT | OWL | HOWL``), each with a
+* the speculative algorithms (``--speculative-algorithm TOKENSWIFT | OWL | HOWL | LONGSPEC``), each with a
   ``CustomSpecAlgo`` subclass that adds the members SGLang 0.5.17's scheduler calls;
 * a check of the draft directory and of the attention backend when the server arguments are
   built, so a bad setting stops startup with a message naming it, and defaults for
@@ -33,8 +33,15 @@ _PROBLEMS: list[str] = []  # why our algorithms cannot run on this SGLang (empty
 # that cannot verify a draft tree (or read a draft's explicit KV indices) would compute wrong
 # drafts or crash mid-request.
 SUPPORTED_BACKENDS = (backends.HYBRID, "flashinfer", backends.TORCH)
+# Backends that write the verify's selection scores and read per-layer draft KV indices
+# (TOKENSWIFT's ``[tokenswift.partial_kv] policy = "verify"``).
+VERIFY_POLICY_BACKENDS = (backends.HYBRID, backends.TORCH)
+# SGLang's FA3 backend cannot verify a draft tree; ``longgen`` runs the verify's long prefix
+# through FA3's own paged kernel on Hopper, so a launch that names fa3 (SGLang's default there,
+# common in launch scripts) gets ``longgen`` with a warning instead of a refusal.
+FA3 = "fa3"
 # Algorithms that get the ``longgen`` backend where SGLang would pick FlashInfer.
-HYBRID_VERIFY_DEFAULT = ("TOKENSWIFT", "OWL", "HOWL")
+HYBRID_VERIFY_DEFAULT = ("TOKENSWIFT", "OWL", "HOWL", "LONGSPEC")
 # Algorithms whose drafters read the verify forward's hidden states: SGLang's verify graphs must
 # capture them (its capture mode for target-KV-only tree verifiers is otherwise none).
 NEEDS_HIDDEN_STATES = ("OWL", "HOWL")
@@ -45,6 +52,7 @@ class Algorithm:
     name: str
     inspect: Callable  # (draft path, model path) -> DraftDir; raises LonggenError
     widths: Callable  # DraftDir -> (num_draft_tokens, num_steps, eagle_topk) defaults
+    check: Callable | None = None  # server args -> None; raises LonggenError for settings it cannot run with
 
 
 def _inspect(kind: str):
@@ -75,10 +83,24 @@ def _howl_widths(draft) -> tuple[int, int, int]:
     return max(width, draft.defaults.suffix.max_spec_tokens + 1), depth, top_k
 
 
+def _longspec_widths(draft) -> tuple[int, int, int]:
+    from ..core.longspec import verify_width
+
+    c = draft.defaults.longspec
+    return verify_width(c.widths, c.tree_size), len(c.widths), max(c.widths)
+
+
+def _longspec_check(server_args) -> None:
+    from .longspec import check_server_args
+
+    check_server_args(server_args)
+
+
 ALGORITHMS = {
     "TOKENSWIFT": Algorithm("TOKENSWIFT", _inspect("heads"), _tokenswift_widths),
     "OWL": Algorithm("OWL", _inspect("owl"), _owl_widths),
     "HOWL": Algorithm("HOWL", _inspect("owl"), _howl_widths),
+    "LONGSPEC": Algorithm("LONGSPEC", _inspect("longspec"), _longspec_widths, _longspec_check),
 }
 
 
@@ -142,9 +164,11 @@ def prepare_server_args(server_args) -> None:
 
     try:
         draft = algo.inspect(server_args.speculative_draft_model_path, server_args.model_path)
+        if algo.check is not None:
+            algo.check(server_args)
     except LonggenError as exc:
         raise ValueError(f"{name}: {exc}") from None
-    backend = server_args.attention_backend
+    backend = server_args.attention_backend = backend_for(name, server_args.attention_backend, server_args.device)
     if backend is not None and backend not in SUPPORTED_BACKENDS:
         raise ValueError(f"{name} runs with --attention-backend {', '.join(SUPPORTED_BACKENDS)} "
                          f"(or none: SGLang's choice), not {backend}")
@@ -153,6 +177,17 @@ def prepare_server_args(server_args) -> None:
         if value is not None and value not in SUPPORTED_BACKENDS:
             raise ValueError(f"{name} runs with --{field.replace('_', '-')} {', '.join(SUPPORTED_BACKENDS)}, "
                              f"not {value}")
+    if name == "TOKENSWIFT" and draft.defaults.tokenswift.partial_kv.policy == "verify":
+        # The verify's scores and the draft's per-layer slots exist only in our own backends.
+        for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
+            value = getattr(server_args, field, None)
+            if value is not None and value not in VERIFY_POLICY_BACKENDS:
+                from .draft_dir import DEFAULTS_FILE
+
+                raise ValueError(f"{name}: {draft.path / DEFAULTS_FILE}: [tokenswift.partial_kv] policy = \"verify\" "
+                                 f"needs the verify forward's selection scores and per-layer draft KV indices: "
+                                 f"--{field.replace('_', '-')} {', '.join(VERIFY_POLICY_BACKENDS)} (or none: "
+                                 f"SGLang's choice), not {value}")
     # Draft forwards address single-token KV slots and the commit reorders a request's slot
     # table (see .verify): both need one token per page.
     if server_args.page_size is None:
@@ -173,6 +208,20 @@ def prepare_server_args(server_args) -> None:
         logger.info("%s runs on the synchronous scheduler: disabling overlap scheduling", name)
         server_args.disable_overlap_schedule = True
     return None
+
+
+def backend_for(name: str, backend: str | None, device: str | None) -> str | None:
+    """The attention backend ``name`` runs with when ``--attention-backend backend`` is asked for.
+
+    ``fa3`` on a GPU becomes ``longgen`` (the hybrid verify, FA3 for its prefix on Hopper;
+    FlashInfer for prefill and decode, which cost the same as FA3's there); anything else is
+    returned as asked and checked against :data:`SUPPORTED_BACKENDS`.
+    """
+    if backend == FA3 and (device is None or str(device).startswith("cuda")):
+        logger.warning("%s: --attention-backend fa3 cannot verify draft trees; running on %s instead (FA3 for the "
+                       "verify's prefix on Hopper, FlashInfer for prefill and decode)", name, backends.HYBRID)
+        return backends.HYBRID
+    return backend
 
 
 def _prepare_hook(server_args, *args, **kwargs) -> None:

@@ -151,6 +151,29 @@ class Verifier:
             for b, (step, offset) in enumerate(zip(steps, windows.mask_offsets)):
                 width = step.seq_len + n
                 windows.custom_mask[offset : offset + n * width].view(n, width)[:, step.seq_len :].copy_(buf.tree_mask[b])
+        return self._forward(batch, buf, windows, before_forward)
+
+    def relaunch(self, batch, steps: list[StepRequest], last: Launched, roots: torch.Tensor,
+                 before_forward: Callable[[object], None]) -> Launched:
+        """The next forward of a run of plain steps: the roots alone one position further on.
+
+        ``roots`` (``[bs]`` int64, on the device) are the tokens the last forward drew, and the
+        positions move by one on the device too, so the host queues the whole run without waiting
+        for a draw. The page-locked inputs are not refilled: the device may not have read them
+        yet (:mod:`.buffers`). ``steps`` carry this forward's ``seq_len``.
+        """
+        buf = last.inputs
+        if tuple(buf.tree_mask.shape[1:]) != (1, 1):
+            raise ValueError("only a width-1 verify can be relaunched")
+        self.prepare(batch, steps, width=1)
+        windows, self._windows = self._windows, None
+        buf.draft_token.copy_(roots)
+        buf.positions.add_(1)
+        return self._forward(batch, buf, windows, before_forward)
+
+    def _forward(self, batch, buf: VerifyBuffers, windows: VerifyWindows,
+                 before_forward: Callable[[object], None]) -> Launched:
+        n = windows.width
         spec = TreeVerifyInput(draft_token=buf.draft_token, positions=buf.positions, tree_mask=buf.tree_mask,
                                custom_mask=windows.custom_mask, draft_token_num=n,
                                capture_hidden_mode=self.capture_hidden_mode)

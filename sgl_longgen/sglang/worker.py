@@ -2,7 +2,7 @@
 
 A prefill is SGLang's own target step. A decode step is, in order (:meth:`SpecWorker.decode`):
 
-1. **draft**: the algorithm's drafter (:mod:`.tokenswift`, :mod:`.owl`) proposes one trie per
+1. **draft**: the algorithm's drafter (:mod:`.tokenswift`, :mod:`.owl`, :mod:`.longspec`) proposes one trie per
    request from its method's state;
 2. **verify**: the padded tries go through one TARGET_VERIFY forward of the target (:mod:`.verify`);
 3. **draw and walk**: queued on the device behind it, one draw per node, the walk and the commit
@@ -15,6 +15,15 @@ alone through a width-1 verify (its own CUDA graph on GPUs, :mod:`.plain_graph`)
 draws and commit. Whichever kind a step is, the next one's is decided before a drafter may queue
 its draft behind the commit, so no draft is queued for a plain step.
 
+Where nothing in the batch needs the host between two tokens (no contextual penalty or SGLang
+processing that reads the newest output, no logprobs), a plain step is a *run* of up to
+:data:`PLAIN_RUN` width-1 forwards queued back to back, each fed the token the last one drew on
+the device (:meth:`SpecWorker._plain_run`): the host and SGLang's scheduler, which run between
+steps while the GPU waits (these workers are synchronous), are paid once per run instead of once
+per token, so plain tokens cost what SGLang's overlapped decoding costs. Each forward draws its
+token exactly as a single plain step would, in the same order from the same generator, so a run
+of k is k plain steps.
+
 Requests whose sampling settings cannot be carried along a draft path (SGLang's count-based
 penalties, grammars, foreign logit processors, logprobs) get a root-only trie: one exact token
 per step from SGLang's own processing of the root. So does a request whose drafting raised: the
@@ -24,7 +33,8 @@ exception is logged once for it, it decodes plain from then on, and the server k
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -33,9 +43,11 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from .. import env
 from ..core.adaptive import SPECULATE
+from ..core.tree import DraftTree, Source
+from ..core.verify import Verdict
 from ..methods import Draft
 from . import compat
-from .adaptive import AdaptiveSteps, server_config
+from .adaptive import SPECULATION_OFF, AdaptiveSteps, server_config
 from .buffers import Staging
 from .drafter import Drafter
 from .host_profile import HostProfile
@@ -51,6 +63,8 @@ logger = logging.getLogger(__name__)
 # Fault injection for tests of the fault isolation: drafting raises on the N-th decode step.
 FAULT_ENV = env.name("INJECT_DRAFT_FAULT")
 DRAFTING_FAILED = "drafting failed"
+# Plain steps queued back to back in one call (at most the verify width: a step's KV window).
+PLAIN_RUN = 8
 
 
 @dataclass
@@ -75,6 +89,10 @@ def drafter_for(algorithm: str, env: WorkerEnv) -> Drafter:
         from .owl import HowlDrafter, OwlDrafter
 
         return (OwlDrafter if algorithm == "OWL" else HowlDrafter)(env)
+    if algorithm == "LONGSPEC":
+        from .longspec import LongSpecDrafter
+
+        return LongSpecDrafter(env)
     raise ValueError(f"no drafter for speculative algorithm {algorithm!r}")
 
 
@@ -176,6 +194,9 @@ class SpecWorker(BaseSpecWorker):
         speculate = self.adaptive.begin(steps) == SPECULATE
         clock.section("setup")
 
+        run = 1 if speculate else self._plain_run_length(batch, steps)
+        if run > 1:
+            return self._plain_run(batch, steps, run, on_publish)
         if speculate:
             drafts = self._draft(batch, steps)
         else:  # a plain step: the roots alone, no draft forward
@@ -225,6 +246,112 @@ class SpecWorker(BaseSpecWorker):
         result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)
         clock.phase("overhead")
         clock.finish({s.rid: len(v.tokens) for s, v in zip(steps, verdicts)})
+        return result
+
+    # -- a run of plain steps ----------------------------------------------------------------------
+
+    def _plain_run_length(self, batch, steps: list[StepRequest]) -> int:
+        """Plain steps this call may queue back to back: 1 where a token needs the host before the
+        next one is drawn (our contextual penalty's window, SGLang's own processing of a blocked
+        request, logprobs or hidden states returned per token), else up to :data:`PLAIN_RUN`, the
+        verify width and every request's remaining budget."""
+        if batch.return_logprob:
+            return 1
+        run = min(PLAIN_RUN, self.num_nodes)
+        for step in steps:
+            req = step.req
+            if step.blocker not in (None, SPECULATION_OFF) or step.sampling.penalty_active:
+                return 1
+            if getattr(req, "return_hidden_states", False):
+                return 1
+            run = min(run, req.sampling_params.max_new_tokens - len(req.output_ids))
+        return max(1, run)
+
+    def _plain_run(self, batch, steps: list[StepRequest], k: int, on_publish) -> GenerationBatchResult:
+        """``k`` plain steps in one call: ``k`` width-1 forwards queued back to back, each drawing
+        the next root on the device, one read-back at the end.
+
+        The tokens' KV lands in the first ``k`` slots of each request's verify window, in order,
+        as a fully accepted chain of ``k - 1`` drafts would put it, so the drafters observe the run
+        as such a chain (:class:`~sgl_longgen.methods.Draft` of the drawn tokens, no drafted
+        depth) with the hidden state of each forward's row.
+        """
+        clock = self.clock
+        self.drafter.drop_queued()
+        clock.note("plain_step", 1.0)
+        clock.note("plain_run", float(k))
+        clock.phase("draft")
+        bs = len(steps)
+        seq_lens = batch.seq_lens
+        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum)
+        roots = [Draft.root_only(step.root) for step in steps]
+        draws = torch.empty(k, bs, dtype=torch.int64, device=self.device)
+        hidden = None
+        launched = None
+        clock.gpu_mark("verify_gpu")
+        try:
+            for i in range(k):
+                inner = steps if i == 0 else [replace(step, seq_len=step.seq_len + i) for step in steps]
+                hook = lambda b, inner=inner: self._guarded("before_verify", steps, self.drafter.before_verify,  # noqa: E731
+                                                            b, inner, roots)
+                if i == 0:
+                    self.verifier.prepare(batch, inner, width=1)
+                    launched = self.verifier.launch(batch, inner, roots, hook)
+                else:
+                    batch.seq_lens = seq_lens + i
+                    if saved[1] is not None:
+                        batch.seq_lens_cpu = saved[1] + i
+                    if saved[2] is not None:
+                        batch.seq_lens_sum = saved[2] + bs * i
+                    launched = self.verifier.relaunch(batch, inner, launched, draws[i - 1], hook)
+                out = launched.result.logits_output
+                draws[i] = self.verifier.draw(batch, inner, roots, out.next_token_logits)[:, 0]
+                if out.hidden_states is not None:
+                    if hidden is None:
+                        hidden = torch.empty(bs, k, out.hidden_states.shape[-1], dtype=out.hidden_states.dtype,
+                                             device=self.device)
+                    hidden[:, i] = out.hidden_states.view(bs, -1, out.hidden_states.shape[-1])[:, 0]
+        finally:
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        clock.gpu_mark("verify_gpu")
+        host = self.env.staging("plain_run", k * bs, torch.int64)
+        host.view(k, bs).copy_(draws, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        drawn = host.numpy().reshape(k, bs)
+        ahead = self.adaptive.plan(steps, k) == SPECULATE
+        clock.section("verify_launch")
+        clock.phase("verify")
+
+        drafts, verdicts = [], []
+        for b, step in enumerate(steps):
+            tokens = [int(t) for t in drawn[:, b]]
+            tree = DraftTree(step.root)
+            node = 0
+            for token in tokens[:-1]:
+                node = tree.add_child(node, token, Source.NONE)
+            drafts.append(Draft(tree))
+            verdicts.append(Verdict(tokens, list(range(k))))
+            step.history = step.history.extended(tokens)
+        self._guarded("after_verify", steps, self.drafter.after_verify, steps, drafts,
+                      SimpleNamespace(hidden_states=None if hidden is None else hidden.view(bs * k, -1)))
+        self._guarded("observe", steps, self.drafter.observe, steps, drafts, verdicts)
+        if ahead:
+            self._guarded("after_commit", steps, self.drafter.after_commit, batch, steps, verdicts)
+        else:
+            self.drafter.drop_queued()
+        reports = self.adaptive.record(steps, [k] * bs, "plain")
+        for step, verdict, report in zip(steps, verdicts, reports):
+            if report is not None:
+                append_step_values(step.req, report, k)
+            # SGLang counts one verify per call: count each forward, none of the run's tokens as
+            # accepted drafts, as k single plain steps would (spec_accept_length = tokens per forward).
+            step.req.spec_verify_ct += k - 1
+            step.req.spec_num_correct_drafts -= k - 1
+        clock.section("observe")
+        result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)
+        clock.phase("overhead")
+        clock.finish({s.rid: k for s in steps})
         return result
 
     def _begin(self, batch) -> list[StepRequest]:

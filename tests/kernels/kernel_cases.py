@@ -82,3 +82,21 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
     diff = torch.where(both_inf, torch.zeros_like(a), (a - b).abs())
     return float(diff.max()) if diff.numel() else 0.0
+
+
+def with_own_slots(batch: VerifyBatch):
+    """Width-1 batches: each token's own K/V written into a spare pool slot appended to its prefix
+    (``kv_indptr``, ``kv_indices`` as a verify planned with ``own_kv_in_prefix`` reads them)."""
+    bs = len(batch.prefix_lens)
+    used = torch.zeros(batch.k_buffer.shape[0], dtype=torch.bool, device=batch.k_buffer.device)
+    used[batch.kv_indices.long()] = True
+    own = torch.nonzero(~used).flatten()[:bs].to(torch.int32)
+    batch.k_buffer[own.long()] = batch.k_tree
+    batch.v_buffer[own.long()] = batch.v_tree
+    lens = torch.tensor(batch.prefix_lens, dtype=torch.int32, device=own.device) + 1
+    indptr = torch.zeros(bs + 1, dtype=torch.int32, device=own.device)
+    indptr[1:] = torch.cumsum(lens, 0)
+    parts = []
+    for b in range(bs):
+        parts += [batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]], own[b : b + 1]]
+    return indptr, torch.cat(parts), lens.tolist()

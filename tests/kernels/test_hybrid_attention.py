@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import DEVICE, TOL, make_batch, max_err, nan_like
+from kernel_cases import DEVICE, TOL, make_batch, max_err, nan_like, with_own_slots
 from sgl_longgen.kernels.hybrid import HybridTreeAttention, hybrid_tree_attention
 from sgl_longgen.kernels.reference import lse_natural_to_base2
 
@@ -105,3 +105,34 @@ def test_plan_validation():
             forced.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, q_dtype=torch.float16)
         auto = HybridTreeAttention(4, 2, 16, DEVICE, prefix_backend="auto")
         assert auto.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, q_dtype=torch.float16) == "triton"
+
+
+@pytest.mark.parametrize("prefix_lens,group,dtype", [([0, 1, 4095], 4, torch.bfloat16), ([300, 7], 7, torch.float16)])
+def test_width_one_verify_with_its_own_key_in_the_prefix_is_a_decode_step(prefix_lens, group, dtype):
+    """A plain step (width-1 verify) planned with the token's own slot at the end of its prefix:
+    one prefix pass, no tree part, the same output and LSE as prefix + tree merged; a prefix
+    that lacked the own slot would be caught (that row would miss its own key)."""
+    batch = make_batch(prefix_lens, 1, 2 * group, 2, 32, dtype, seed=11 + group)
+    indptr, indices, lens = with_own_slots(batch)
+    ref_o, ref_lse = batch.reference()
+    attn = HybridTreeAttention(2 * group, 2, 32, DEVICE, prefix_backend="triton")
+    attn.plan(indptr, indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=dtype,
+              prefix_lens_host=lens, own_kv_in_prefix=True)
+    out = nan_like(batch.q, torch.float32)
+    lse = nan_like(batch.q[..., 0], torch.float32)
+    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    assert max_err(out, ref_o) <= TOL[dtype] / 2
+    assert max_err(lse, lse_natural_to_base2(ref_lse)) <= 1e-3
+    # The same plan over the prefix alone misses each row's own key: far off.
+    attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=dtype,
+              prefix_lens_host=prefix_lens, own_kv_in_prefix=True)
+    wrong = nan_like(batch.q, torch.float32)
+    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=wrong)
+    assert max_err(wrong[1:], ref_o[1:]) > 10 * TOL[dtype]
+
+
+def test_own_kv_in_prefix_is_refused_for_trees():
+    batch = make_batch([10], 4, 8, 2, 32, torch.float16, seed=5)
+    attn = HybridTreeAttention(8, 2, 32, DEVICE, prefix_backend="triton")
+    with pytest.raises(ValueError, match="width-1"):
+        attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, q_dtype=torch.float16, own_kv_in_prefix=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import make_batch, max_err, nan_like
+from kernel_cases import make_batch, max_err, nan_like, with_own_slots
 from sgl_longgen.kernels.fa3_prefix import fa3_supported
 from sgl_longgen.kernels.folded_decode import flashinfer_available, fold_supported
 from sgl_longgen.kernels.hybrid import HybridTreeAttention
@@ -47,6 +47,31 @@ def test_bf16_matches_fp32_reference(tree_size, prefix_backend):
     err = max_err(out, ref_o)
     lse_err = max_err(lse, lse_natural_to_base2(ref_lse))
     print(f"GPU accuracy T={tree_size} prefixes={lens} path={attn.path}: max|o - ref| = {err:.3e}, lse {lse_err:.2e}")
+    assert err <= ACCEPT
+    assert lse_err <= 1e-2
+
+
+@pytest.mark.parametrize("prefix_backend", ["triton", "flashinfer_fold", "fa3"])
+def test_width_one_verify_with_its_own_key_in_the_prefix(prefix_backend):
+    """A plain step of adaptive speculation: one prefix pass over prefix + own slot, no merge."""
+    if prefix_backend == "fa3" and not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("FA3 needs a Hopper GPU and sgl_kernel's flash_ops")
+    if prefix_backend == "flashinfer_fold" and not (
+        flashinfer_available() and fold_supported(HQ, HKV, D, 1, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
+    ):
+        pytest.skip("the folded path does not serve this shape")
+    batch = make_batch([32768, 0, 4095], 1, HQ, HKV, D, torch.bfloat16, seed=21)
+    batch.sm_scale = D**-0.5
+    indptr, indices, lens = with_own_slots(batch)
+    attn = HybridTreeAttention(HQ, HKV, D, "cuda", prefix_backend=prefix_backend)
+    attn.plan(indptr, indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=torch.bfloat16,
+              prefix_lens_host=lens, own_kv_in_prefix=True)
+    out = nan_like(batch.q)
+    lse = nan_like(batch.q[..., 0], torch.float32)
+    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    ref_o, ref_lse = batch.reference()
+    err, lse_err = max_err(out, ref_o), max_err(lse, lse_natural_to_base2(ref_lse))
+    print(f"GPU accuracy width-1 own-KV path={attn.path}: max|o - ref| = {err:.3e}, lse {lse_err:.2e}")
     assert err <= ACCEPT
     assert lse_err <= 1e-2
 

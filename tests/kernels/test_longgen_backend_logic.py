@@ -153,3 +153,30 @@ def test_replay_without_capture_is_an_error():
     fb, _ = verify_batch(be, g, [10], [0], pad_to=2)
     with pytest.raises(RuntimeError):
         be.init_forward_metadata_out_graph(fb, in_capture=False)
+
+
+def test_a_width_one_verify_is_one_prefix_pass_over_prefix_and_own_slot(monkeypatch):
+    """A plain step of adaptive speculation (one token per request): planned with the token's own
+    slot as the last prefix slot, no tree part; eager, then captured and replayed, both equal the
+    reference, which would miss the own key if the slot were not there."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "N", 1)
+    be, g = make_backend(max_bs=4)
+    fb, trees = verify_batch(be, g, [700, 1, 33], [5, 2, 7])
+    be.init_forward_metadata(fb)
+    attn = be.forward_metadata.attn
+    assert attn.own_kv_in_prefix and attn.kv_indices.numel() == 700 + 1 + 33 + 3
+    q, k, v, layer = layer_inputs(g, 3)
+    o = be.forward_extend(q, k, v, layer, fb)
+    assert max_err(o.view(-1, HQ, D), reference(be, fb, trees, q, k, v, layer, 3)) <= TOL[DTYPE]
+
+    fb, trees = verify_batch(be, g, [300, 12], [1, 3], pad_to=4)
+    be.init_forward_metadata_out_graph(fb, in_capture=True)
+    captured = be.forward_metadata.attn
+    fb2, trees2 = verify_batch(be, g, [900, 2, 64], [6, 0, 4], pad_to=4)
+    be.init_forward_metadata_out_graph(fb2, in_capture=False)
+    assert be.forward_metadata.attn is captured and captured.own_kv_in_prefix
+    q, k, v, layer = layer_inputs(g, 4)
+    o = be.forward_extend(q, k, v, layer, fb2)
+    assert max_err(o.view(-1, HQ, D)[:3], reference(be, fb2, trees2, q, k, v, layer, 3)) <= TOL[DTYPE]

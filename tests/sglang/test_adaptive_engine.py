@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+import math
+
 from sgl_longgen import env
+from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
+from sgl_longgen.sglang.worker import PLAIN_RUN
 from sglang_harness import PROMPTS, check_budgets, greedy, spec_args, stop
 
 NEW_TOKENS = 96
@@ -101,3 +105,30 @@ def test_plain_steps_where_drafts_do_not_pay_drafting_where_they_do(adaptive_eng
 
 def test_token_budgets_with_plain_steps(plain_engine, adaptive_engine):
     check_budgets(plain_engine, adaptive_engine)
+
+
+def calls(meta: dict) -> int:
+    """Worker calls that served the request (each reports once, on its first token)."""
+    return sum(v is not None for v in meta["longgen_plain_steps"])
+
+
+def test_plain_steps_run_back_to_back_unless_a_token_needs_the_host(plain_engine, adaptive_engine):
+    """Speculation off and nothing that reads the newest token on the host: each call queues up to
+    PLAIN_RUN plain steps, same tokens as plain decoding, SGLang still counting one verify per
+    forward. With the contextual penalty (its window needs every new token) it is one per call."""
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    got = adaptive_engine.generate(input_ids=PROMPTS, sampling_params=params(NEW_TOKENS, longgen_speculation="off"))
+    for w, g in zip(want, got):
+        meta = g["meta_info"]
+        assert g["output_ids"] == w["output_ids"]
+        assert calls(meta) <= math.ceil((NEW_TOKENS - 1) / PLAIN_RUN) + 1
+        assert meta["spec_verify_ct"] == NEW_TOKENS - 1 and meta["spec_accept_length"] < 1.05
+    penalty = {"penalty": 1.2, "penalty_window": 16}
+    processor = ContextualPenaltyProcessor.to_str()
+    n = 24
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n, custom_params=penalty),
+                                 custom_logit_processor=[processor] * len(PROMPTS))
+    got = adaptive_engine.generate(input_ids=PROMPTS, sampling_params=params(n, longgen_speculation="off", **penalty))
+    for w, g in zip(want, got):
+        assert g["output_ids"] == w["output_ids"]
+        assert calls(g["meta_info"]) == n - 1

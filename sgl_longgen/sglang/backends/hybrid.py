@@ -14,9 +14,22 @@ tree in SGLang's flat ``[N, seq_len + N]`` layout. Models the hybrid kernels do 
 (sliding windows, encoder-decoder, logit soft-capping, quantized KV caches, unequal QK/V head
 dims) keep the FlashInfer verify path, with a warning.
 
+A width-1 verify (a plain step of adaptive speculation) is a decode step: its prefix slots
+include the token's own (its K/V are in the pool before attention runs), so the hybrid path runs
+one prefix pass, no tree kernel and no merge (``own_kv_in_prefix``), and writes no selection scores.
+
 CUDA graphs: verify metadata goes into persistent buffers in ``init_forward_metadata_out_graph``
 (prefix slots, tree blocks) and the kernels' launch shapes depend only on the batch size, so
 captured graphs replay with new lengths and masks.
+
+Under TOKENSWIFT's ``[tokenswift.partial_kv] policy = "verify"`` two more things, both
+graph-safe: every verify also writes each layer's selection scores of the prefix keys
+(``HybridTreeAttention.run(scores=...)``: fused into the Triton prefix pass, a key-only pass
+beside FA3 or the folded decode) into the persistent :class:`~sgl_longgen.sglang.capture.VerifyScores`
+buffer; and a draft decode whose input carries one slot list per layer
+(``PartialDraftInput.layer_kv_indices``) copies layer ``l``'s list into the indices its FlashInfer
+decode wrapper reads before layer ``l`` attends (in a CUDA graph the copy is captured too, from the
+draft graph's persistent per-layer buffer), so each layer reads exactly its own selection.
 
 Environment:
     SGLANG_LONGGEN_PREFIX_BACKEND=auto|triton|flashinfer_fold   prefix path (default auto)
@@ -38,6 +51,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 
 from ... import env
+from .. import compat
+from ..capture import VerifyScores
 from ...kernels.folded_decode import fold_supported, workspace_bytes
 from ...kernels.fa3_prefix import fa3_supported
 from ...kernels.hybrid import DEFAULT_FOLD_MAX_TREE, DEFAULT_FOLD_WORKSPACE_MB, HybridTreeAttention
@@ -61,6 +76,9 @@ class HybridVerifyMetadata:
     attn: HybridTreeAttention
     # FlashInfer's own verify metadata, kept only in check mode.
     reference: Optional[PrefillMetadata] = None
+    # Selection scores [bs, layers, kv_heads, ctx] this verify writes (partial_kv.policy = "verify").
+    scores: Optional[torch.Tensor] = None
+    score_rows: int = 0
 
 
 def hybrid_unsupported_reason(model_runner, backend: FlashInferAttnBackend) -> Optional[str]:
@@ -89,6 +107,8 @@ def hybrid_unsupported_reason(model_runner, backend: FlashInferAttnBackend) -> O
 class LongGenAttnBackend(FlashInferAttnBackend):
     """``FlashInferAttnBackend`` whose TARGET_VERIFY attention is the hybrid tree attention."""
 
+    verify_scores: Optional[VerifyScores] = None  # where verifies write selection scores (if asked)
+
     def __init__(self, model_runner, **kwargs):
         super().__init__(model_runner, **kwargs)
         attn_tp = get_parallel().attn_tp_size
@@ -112,6 +132,11 @@ class LongGenAttnBackend(FlashInferAttnBackend):
         self._graph_page_table: Optional[torch.Tensor] = None  # FA3 prefix path
         self._graph_seq_lens: Optional[torch.Tensor] = None
         self._max_context = model_runner.model_config.context_len
+        self.verify_scores = VerifyScores.of(model_runner)
+        if self.verify_scores is not None and self._disabled:  # only the hybrid path scores
+            raise ValueError(f"TOKENSWIFT's [tokenswift.partial_kv] policy = \"verify\" takes the partial KV from the "
+                             f"longgen backend's hybrid verify, which cannot serve this model ({self._disabled}); use "
+                             f"policy = \"tokenswift\" or --attention-backend longgen_torch")
 
     # ----------------------------------------------------------- dispatch
     def reads_tree_blocks(self) -> bool:
@@ -152,18 +177,20 @@ class LongGenAttnBackend(FlashInferAttnBackend):
             reference = self.forward_metadata
         bs = forward_batch.batch_size
         tree_size = self._tree_size(forward_batch)
+        own = int(tree_size == 1)  # a width-1 verify attends its own slot as part of the prefix
         seq_lens = forward_batch.seq_lens[:bs]
         seq_lens_cpu = forward_batch.seq_lens_cpu
-        lens_host = [int(x) for x in seq_lens_cpu[:bs].tolist()] if seq_lens_cpu is not None else None
-        total = sum(lens_host) if lens_host is not None else int(forward_batch.seq_lens_sum)
+        lens_host = [int(x) + own for x in seq_lens_cpu[:bs].tolist()] if seq_lens_cpu is not None else None
+        total = sum(lens_host) if lens_host is not None else int(forward_batch.seq_lens_sum) + own * bs
         kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self._device)
         kv_indices = torch.empty(max(total, 1), dtype=torch.int32, device=self._device)
-        self._fill_prefix_indices(forward_batch.req_pool_indices[:bs], seq_lens, kv_indptr, kv_indices, total)
+        self._fill_prefix_indices(forward_batch.req_pool_indices[:bs], seq_lens + own if own else seq_lens,
+                                  kv_indptr, kv_indices, total)
         spec_info = forward_batch.spec_info
         tree_mask = _tree_blocks(spec_info)
         if tree_mask is None:
             custom_mask = spec_info.custom_mask
-            layout = custom_mask_layout(custom_mask.numel(), bs, tree_size, total)
+            layout = custom_mask_layout(custom_mask.numel(), bs, tree_size, total - own * bs)
             tree_mask = tree_mask_from_custom_mask(custom_mask, seq_lens, tree_size, layout=layout)
         elif tuple(tree_mask.shape) != (bs, tree_size, tree_size):
             raise ValueError(f"spec_info.tree_mask {tuple(tree_mask.shape)} is not [{bs}, {tree_size}, {tree_size}]")
@@ -173,11 +200,14 @@ class LongGenAttnBackend(FlashInferAttnBackend):
             self._eager_attn = HybridTreeAttention(
                 self._num_qo_heads, self._num_kv_heads, self._head_dim, self._device
             )
+        scores = self.verify_scores.begin(bs, tree_size) if self.verify_scores is not None and not own else None
+        rows = self.verify_scores.rows if scores is not None else 0
         self._eager_attn.plan(
             kv_indptr, kv_indices, tree_mask,
-            q_dtype=self._dtype, kv_dtype=self._dtype, prefix_lens_host=lens_host,
+            q_dtype=self._dtype, kv_dtype=self._dtype, prefix_lens_host=lens_host, score_rows=rows,
+            own_kv_in_prefix=bool(own),
         )
-        self.forward_metadata = HybridVerifyMetadata(self._eager_attn, reference)
+        self.forward_metadata = HybridVerifyMetadata(self._eager_attn, reference, scores, rows)
 
     def _fill_prefix_indices(self, req_pool_indices, seq_lens, kv_indptr, kv_indices, total=None) -> None:
         """Prefix slots of each request into ``kv_indptr``/``kv_indices`` (SGLang's kernel on GPU)."""
@@ -237,7 +267,9 @@ class LongGenAttnBackend(FlashInferAttnBackend):
         kv_indptr = self._graph_kv_indptr[: bs + 1]
         kv_indices = self.cuda_graph_kv_indices[0]  # the parent's graph buffer; verify never plans it
         seq_lens = forward_batch.seq_lens[:bs]
-        self._fill_prefix_indices(forward_batch.req_pool_indices[:bs], seq_lens, kv_indptr, kv_indices)
+        own = int(tree_size == 1)  # a width-1 verify (a plain step) attends its own slot as prefix
+        self._fill_prefix_indices(forward_batch.req_pool_indices[:bs], seq_lens + own if own else seq_lens,
+                                  kv_indptr, kv_indices)
         tree_mask = self._graph_tree_mask[: bs * tree_size * tree_size].view(bs, tree_size, tree_size)
         blocks = _tree_blocks(forward_batch.spec_info)
         if blocks is not None:
@@ -259,12 +291,16 @@ class LongGenAttnBackend(FlashInferAttnBackend):
             )
             self._graph_attn[bs] = attn
         total = forward_batch.seq_lens_sum
-        planned_indices = kv_indices[:total] if total is not None else kv_indices
+        planned_indices = kv_indices[: total + own * bs] if total is not None else kv_indices
         seq_lens_cpu = forward_batch.seq_lens_cpu
-        max_len = int(seq_lens_cpu[:bs].max()) if seq_lens_cpu is not None and not in_capture else None
+        max_len = int(seq_lens_cpu[:bs].max()) + own if seq_lens_cpu is not None and not in_capture else None
+        scores = None
+        if self.verify_scores is not None and not own:  # the persistent buffer: captured graphs write there
+            scores = self.verify_scores.begin(bs, tree_size, graph_rows=self._graph_max_bs)
+        rows = self.verify_scores.rows if scores is not None else 0
         attn.plan(kv_indptr, planned_indices, tree_mask, q_dtype=self._dtype, kv_dtype=self._dtype,
-                  max_prefix_len=max_len)
-        self.forward_metadata = HybridVerifyMetadata(attn)
+                  max_prefix_len=max_len, score_rows=rows, own_kv_in_prefix=bool(own))
+        self.forward_metadata = HybridVerifyMetadata(attn, scores=scores, score_rows=rows)
 
     # ------------------------------------------------------------- forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -286,10 +322,28 @@ class LongGenAttnBackend(FlashInferAttnBackend):
             k_tree = k.view(-1, layer.tp_k_head_num, head_dim)
             v_tree = v.view(-1, layer.tp_v_head_num, head_dim)
         q3 = q.contiguous().view(-1, num_heads, head_dim)
-        o = metadata.attn.run(q3, k_buffer, v_buffer, k_tree, v_tree, sm_scale=layer.scaling)
+        scores = metadata.scores[:, layer.layer_id] if metadata.scores is not None else None
+        o = metadata.attn.run(q3, k_buffer, v_buffer, k_tree, v_tree, sm_scale=layer.scaling,
+                              scores=scores, score_rows=metadata.score_rows)
         if metadata.reference is not None:
             self._check_against_flashinfer(o, q, k, v, layer, forward_batch, metadata)
         return o.view(-1, num_heads * head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        per_layer = getattr(forward_batch.spec_info, "layer_kv_indices", None)
+        if per_layer is not None:
+            # One plan serves every layer (the lengths agree); only the slots differ, and the
+            # wrapper reads them from its indices buffer when it runs.
+            wrapper = self.forward_metadata.decode_wrappers[self._get_wrapper_idx(layer)]
+            buf = getattr(wrapper, "_paged_kv_indices_buf", None)
+            if buf is None:
+                compat.require_fields("decode_wrapper", wrapper)
+                raise RuntimeError("a per-layer draft decode on a decode wrapper that was not planned")
+            # A graph's row is as wide as its largest draft (the tail is never read); an eager
+            # wrapper reads the input's own kv_indices, exactly as long as the draft.
+            n = min(per_layer.shape[1], buf.numel())
+            buf[:n].copy_(per_layer[layer.layer_id, :n], non_blocking=True)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
     def _check_against_flashinfer(self, o, q, k, v, layer, forward_batch, metadata) -> None:
         self.forward_metadata = metadata.reference

@@ -1,0 +1,276 @@
+"""LONGSPEC's drafter on SGLang: one drafter block whose memory per request does not grow with the context.
+
+Per step the requests that draft go through one batched beam (:func:`sgl_longgen.core.longspec.expand_batch`,
+one block forward per level for the whole batch), run by the shared method
+(:class:`sgl_longgen.methods.LongSpec`: what each request's ring must be fed, the trie from the beam):
+
+* the **self-attention** reads each request's window ring (:class:`~sgl_longgen.core.longspec.WindowCache`,
+  ``window`` tokens, allocated at its first draft): the drafter's only memory per request, fixed
+  whatever the context grows to;
+* the **cross-attention** reads the target's last-layer K/V *in place* in SGLang's KV pool, through the
+  request's slot row ``req_to_token[req_pool_idx, :L]``, ``L`` its committed length: never a verify
+  window's slots, so no draft sees in-flight KV. SGLang's Llama/Qwen2 write their keys after RoPE,
+  as the reference runtime's cache holds them, so the keys are used as they lie; the queries get
+  the target's RoPE at the draft token's position from the target's own rotary module (its
+  ``cos_sin_cache``: the same table, Llama-3.1 scaling included, that rotated the keys). On a GPU the
+  whole prefix is read once per level for all queries of a request (the Triton prefix kernel,
+  ``sgl_longgen.kernels.prefix_attention``); elsewhere the committed K/V are gathered once per step
+  and attended with PyTorch's SDPA (the kernel's twin);
+* the embedding and the LM head are the target's (the first ``vocab_size`` logits: SGLang pads the
+  head's rows).
+
+Lossless whatever the drafter proposes: the trie only decides which tokens the verifier may
+accept; every committed token is drawn by the worker's per-node walk.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..core.longspec import Attend, WindowCache, expand_batch, load_drafter
+from ..errors import LonggenError
+from ..methods import Draft, LongSpec, LongSpecState
+from . import compat
+from .draft_dir import check_longspec_target, inspect_longspec_draft_dir, longspec_target
+from .drafter import Drafter, Shadow
+from .requests import PenaltyDefaults, StepRequest
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the Triton prefix kernel reads
+
+
+def check_server_args(server_args) -> None:
+    """Settings LONGSPEC cannot run with, refused before a scheduler starts."""
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    pp = int(getattr(server_args, "pp_size", 1) or 1)
+    if tp > 1 or pp > 1:
+        # Each rank would hold a share of the last layer's KV heads (or none of its layers).
+        raise LonggenError(f"runs with --tp-size 1 and --pp-size 1 for now (its drafter reads every KV head of the "
+                           f"target's last layer on one rank), got --tp-size {tp} --pp-size {pp}")
+    kv = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
+    if kv.startswith(("fp8", "fp4", "int")):
+        raise LonggenError(f"reads the target's last-layer KV cache as its cross-attention keys and values, so it "
+                           f"needs them unquantized: --kv-cache-dtype auto, not {kv}")
+
+
+# -- the target's pieces ---------------------------------------------------------------------------
+
+
+def target_rotary(model, head_dim: int):
+    """The target's rotary module, if its table is what the drafter's queries can use.
+
+    The drafter rotates with full-width, NeoX-style RoPE (``rotate_half``), cos/sin taken from
+    the module's ``cos_sin_cache`` rows; modules that rotate some other way (partial or
+    interleaved rotary, multimodal or per-length tables) are refused.
+    """
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+
+    found = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    if not found:
+        raise LonggenError("LONGSPEC needs a target with SGLang's RotaryEmbedding; this model has none")
+    rotary = found[-1]
+    plain = type(rotary).forward_native is RotaryEmbedding.forward_native
+    if not plain or rotary.rotary_dim != head_dim or rotary.head_size != head_dim or not rotary.is_neox_style:
+        raise LonggenError(f"LONGSPEC needs full-width NeoX-style RoPE from one cos/sin table; this model's is "
+                           f"{type(rotary).__name__} (rotary_dim {rotary.rotary_dim} of head size "
+                           f"{rotary.head_size}, neox {rotary.is_neox_style})")
+    return rotary
+
+
+class TargetRope:
+    """cos/sin ``[..., head_dim]`` at given positions from the target's own table (``cos_sin_cache``
+    rows ``[cos | sin]`` of half width), read per call: SGLang may grow or recast the table."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.rotary.cos_sin_cache
+        rows = table.index_select(0, positions.reshape(-1).to(table.device)).view(*positions.shape, -1)
+        cos, sin = rows.chunk(2, dim=-1)
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+    @property
+    def positions(self) -> int:
+        return int(self.rotary.cos_sin_cache.shape[0])
+
+
+def last_attention_layer(model) -> int:
+    """The layer id (in SGLang's KV pool) of the target's last attention layer."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    ids = [m.layer_id for m in model.modules() if isinstance(m, RadixAttention)]
+    if not ids:
+        raise LonggenError("LONGSPEC needs a target whose attention is SGLang's RadixAttention; this model has none")
+    return max(ids)
+
+
+def committed_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, rows: Sequence[torch.Tensor], scale: float,
+                        kernel: bool) -> Attend:
+    """Each request's queries over the target K/V in pool slots ``rows[b]`` (its committed
+    tokens, any order: attention over them is unmasked), read where the pool keeps them.
+
+    ``k_buffer``/``v_buffer``: ``[slots, Hkv, D]`` (SGLang's layout at page size 1). ``kernel``:
+    the Triton prefix kernel, every query row of a KV head on each K/V tile, so a level reads the
+    prefix once; otherwise each request's K/V are gathered once here and every level attends with
+    SDPA (the kernel's twin, and the CPU path).
+    """
+    if kernel:
+        from ..kernels.prefix_attention import prefix_attention
+
+        device = k_buffer.device
+        indptr = torch.tensor(list(itertools.accumulate((r.numel() for r in rows), initial=0)), dtype=torch.int32,
+                              device=device)
+        indices = (rows[0] if len(rows) == 1 else torch.cat(list(rows))).to(device=device, dtype=torch.int32)
+
+        def attend(q: torch.Tensor) -> torch.Tensor:
+            B, H, T, D = q.shape
+            flat = q.transpose(1, 2).reshape(B * T, H, D).contiguous()
+            out, _ = prefix_attention(flat, k_buffer, v_buffer, indptr, indices, scale)
+            return out.view(B, T, H, D).transpose(1, 2)
+
+        return attend
+
+    keys = [k_buffer[r.long()].transpose(0, 1) for r in rows]  # [Hkv, L, D]
+    values = [v_buffer[r.long()].transpose(0, 1) for r in rows]
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return torch.stack([F.scaled_dot_product_attention(q[b], keys[b].to(q.dtype), values[b].to(q.dtype),
+                                                           scale=scale, enable_gqa=keys[b].shape[0] != q.shape[1])
+                            for b in range(q.shape[0])])
+
+    return attend
+
+
+# -- the drafter ------------------------------------------------------------------------------------
+
+
+@dataclass
+class LongSpecRequest:
+    """One request's drafting: the method's state and its window ring, created at the request's
+    first draft and kept with its state (``window`` tokens, whatever its context)."""
+
+    method: LongSpecState
+    ring: WindowCache | None = None
+
+
+@dataclass
+class _Batch:
+    rings: list[WindowCache]
+    attend: Attend
+
+
+class LongSpecDrafter(Drafter):
+    def __init__(self, env):
+        self.env = env
+        sa = env.server_args
+        draft = inspect_longspec_draft_dir(sa.speculative_draft_model_path, sa.model_path)
+        self.defaults = draft.defaults
+        c = draft.defaults.longspec
+        runner = env.runner
+        compat.require_fields("model_config", runner.model_config)
+        target = longspec_target(runner.model_config.hf_text_config)
+        target["vocab_size"] = int(runner.model_config.vocab_size)
+        check_longspec_target(draft.path, draft.checkpoint, target)
+        model = runner.model
+        if getattr(model.lm_head, "tp_size", 1) > 1:
+            raise LonggenError("LONGSPEC runs with --tp-size 1 for now")
+        self.dtype = next(model.parameters()).dtype
+        self.drafter = load_drafter(draft.path, dtype=self.dtype).to(env.device)
+        self.rope = TargetRope(target_rotary(model, self.drafter.head_dim))
+        reach = int(runner.model_config.context_len) + len(c.widths) + 1
+        if self.rope.positions < reach:
+            raise LonggenError(f"LONGSPEC: the target's RoPE table holds {self.rope.positions} positions, fewer than "
+                               f"the context length plus the tree depth ({reach})")
+        self.layer_id = last_attention_layer(model)
+        self.embedding = model.get_input_embeddings()
+        self.lm_head = model.lm_head
+        self.widths = list(c.widths)
+        # Trees are cut to what a verify forward holds (lossless: the cut only drops candidates).
+        self.tree_size = min(c.tree_size, env.num_nodes - 1)
+        if self.tree_size < 1:
+            raise LonggenError(f"LONGSPEC needs speculative_num_draft_tokens >= 2, got {env.num_nodes}")
+        self.method = LongSpec(c, self._expand, self.drafter.window)
+        sampling = draft.defaults.sampling
+        self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
+        self._pool_checked = False
+        self._batch: _Batch | None = None
+
+    # -- per request -----------------------------------------------------------------------------
+
+    def start(self, step: StepRequest) -> LongSpecRequest:
+        return LongSpecRequest(self.method.start(step.rid, step.history))
+
+    def finish(self, rid: str) -> None:
+        self.method.finish(rid)
+
+    def reset(self) -> None:
+        self.method.reset()  # the rings stay with their requests' states, in step with them
+
+    def _ring(self, request: LongSpecRequest) -> WindowCache:
+        if request.ring is None:
+            d = self.drafter
+            request.ring = WindowCache(d.num_kv_heads, d.window, d.head_dim, self.dtype, self.env.device)
+        return request.ring
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
+        shadow()
+        drafts = [Draft.root_only(s.root) for s in steps]
+        index = [i for i, s in enumerate(steps) if s.blocker is None]
+        if not index:
+            return drafts
+        active = [steps[i] for i in index]
+        self._batch = self._inputs(batch, active)
+        try:
+            proposed = self.method.propose([s.rid for s in active], [s.state.method.method for s in active],
+                                           [s.history for s in active])
+        finally:
+            rings, self._batch = self._batch.rings, None
+        for i, draft in zip(index, proposed):
+            drafts[i] = draft
+        clock = self.env.clock
+        if clock.active:  # what the drafter holds per request, next to the context it read
+            clock.note("longspec_ring_bytes", float(max(r.nbytes for r in rings)))
+            clock.note("longspec_ring_tokens", float(max(int((r.pos >= 0).sum()) for r in rings)))
+            clock.note("longspec_cross_tokens", float(max(s.seq_len for s in active)))
+        return drafts
+
+    def _inputs(self, batch, active: list[StepRequest]) -> _Batch:
+        pool = self.env.runner.token_to_kv_pool
+        if not self._pool_checked:
+            compat.require_fields("kv_pool", pool)
+            if pool.dtype != self.dtype:
+                raise LonggenError(f"LONGSPEC reads the target's KV cache in the model's dtype ({self.dtype}); "
+                                   f"the pool holds {pool.dtype}")
+            self._pool_checked = True
+        table = batch.req_to_token_pool.req_to_token
+        rows = []
+        for s in active:
+            if s.seq_len != len(s.history) - 1:
+                raise RuntimeError(f"request {s.rid}: {s.seq_len} tokens in the KV cache but {len(s.history) - 1} "
+                                   "committed before the root")
+            rows.append(table[s.req.req_pool_idx, : s.seq_len])  # committed slots only: never the verify window
+        k_buffer, v_buffer = pool.get_kv_buffer(self.layer_id)
+        kernel = self.env.device.type == "cuda" and k_buffer.dtype in KERNEL_DTYPES
+        attend = committed_attention(k_buffer, v_buffer, rows, self.drafter.cross_attn.scale, kernel)
+        return _Batch([self._ring(s.state.method) for s in active], attend)
+
+    def _expand(self, rids, pending, starts):
+        b = self._batch
+        return expand_batch(self.drafter, self.embedding, self._head, self.rope, b.rings, b.attend, pending, starts,
+                            self.widths, self.tree_size)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head.weight[: self.env.vocab_size])  # SGLang pads the head's rows
+
+    def observe(self, steps: list[StepRequest], drafts, verdicts) -> None:
+        for step, verdict in zip(steps, verdicts):
+            if isinstance(step.state.method, LongSpecRequest):
+                self.method.observe(step.state.method.method, len(step.history))
