@@ -1,15 +1,21 @@
 """GPU check of adaptive speculation (a host with SGLang; dummy 8B-shaped weights; no network).
 
 Per engine (plain decoding on SGLang's default backend, then each ``--algorithms`` with
-``SGLANG_LONGGEN_ADAPTIVE=1``), ms per generated token, measured as the wall time of an
-``N + 1``-token request less a 1-token one (the prefill), radix cache off:
+``SGLANG_LONGGEN_ADAPTIVE=1``), after a short warm-up generation (kernels compiled, drafter graphs
+captured), ms per generated token, measured as the wall time of an ``N + 1``-token request less a
+1-token one (the prefill), radix cache off:
 
 * ``sampled``: temperature 1 at each ``--contexts`` length. Dummy weights' distributions are
   flat, so drafts are almost never accepted: the controller should fall back to plain steps
-  (goal: within 1.05x of plain decoding);
+  (goal: within 1.05x of plain decoding). Two figures: the whole request of ``2N`` tokens
+  (``sampled_ms``: the method's per-request set-up included, e.g. TOKENSWIFT's indexing of the
+  prompt and its first partial-KV selection, about a second at 98K) and the steady rate, the
+  ``2N``-token request less an ``N``-token one, per token (``sampled_steady_ms``: what each token
+  of a long generation costs once the request is set up);
 * ``greedy``: dummy weights' greedy text loops, the repetitive upper bound for drafting, with the
   controller (``auto``) and with speculation forced on every step (``on``, the fixed setting);
-* ``batch``: ``--batch`` concurrent sampled requests at ``--batch-context``: aggregate tokens/s.
+* ``batch``: ``--batch`` concurrent sampled requests at ``--batch-context``: aggregate tokens/s,
+  whole requests and steady (the same two figures).
 
 Each speculative request asks for the adaptive report; the last step's running figures
 (speculative/plain steps, tau, the shape's measured step costs) go in the JSON beside the times.
@@ -57,13 +63,35 @@ def final_report(meta: dict) -> dict:
     return out
 
 
-def ms_per_token(eng, prompts: list[list[int]], params: dict, n: int, prefill_s: float) -> tuple[float, list[dict]]:
-    """Wall ms per generated token over ``prompts`` run together (``n`` new tokens each, after the first)."""
+def timed_generate(eng, prompts: list[list[int]], params: dict, n: int) -> tuple[float, list[dict]]:
+    """Wall seconds of ``prompts`` run together, ``n + 1`` new tokens each, and their reports."""
     t = time.time()
     out = eng.generate(input_ids=prompts, sampling_params=[{**params, "max_new_tokens": n + 1}] * len(prompts))
-    wall = time.time() - t - prefill_s
+    wall = time.time() - t
     out = out if isinstance(out, list) else [out]
-    return wall / n * 1e3, [final_report(o["meta_info"]) for o in out]
+    return wall, [final_report(o["meta_info"]) for o in out]
+
+
+def ms_per_token(eng, prompts: list[list[int]], params: dict, n: int, prefill_s: float) -> tuple[float, list[dict]]:
+    """Wall ms per generated token over ``prompts`` run together (``n`` new tokens each, after the first)."""
+    wall, reports = timed_generate(eng, prompts, params, n)
+    return (wall - prefill_s) / n * 1e3, reports
+
+
+def steady_ms_per_token(eng, prompts: list[list[int]], params: dict, n: int, prefill_s: float) -> tuple[float, float, list[dict]]:
+    """Whole-request ms per token of a ``2n``-token run, and the steady ms per token: that run less
+    an ``n``-token one, per token (prefill and per-request set-up cancel out)."""
+    short, _ = timed_generate(eng, prompts, params, n)
+    long, reports = timed_generate(eng, prompts, params, 2 * n)
+    return (long - prefill_s) / (2 * n) * 1e3, (long - short) / n * 1e3, reports
+
+
+def warm_up(eng, params: list[dict]) -> None:
+    """A short generation per kind of request: first-use compilation and graph capture (the
+    drafters' too) stay out of the measured requests."""
+    prompt = list(range(1000, 1512))
+    for p in params:
+        eng.generate(input_ids=prompt, sampling_params={**p, "max_new_tokens": 64})
 
 
 def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts: list[list[int]]) -> dict:
@@ -71,13 +99,15 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
     sampled = {"temperature": 1.0, "ignore_eos": True, **custom}
     greedy = {"temperature": 0.0, "ignore_eos": True, **custom}
     result: dict = {}
+    warm_up(eng, [sampled, greedy])
     for L, prompt in prompts.items():
         eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})  # warm-up
         t = time.time()
         eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
         prefill = time.time() - t
         row: dict = {"prefill_s": round(prefill, 3)}
-        row["sampled_ms"], rep = ms_per_token(eng, [prompt], sampled, args.tokens, prefill)
+        row["sampled_ms"], row["sampled_steady_ms"], rep = steady_ms_per_token(eng, [prompt], sampled, args.tokens,
+                                                                               prefill)
         row["sampled_report"] = rep[0]
         row["greedy_ms"], rep = ms_per_token(eng, [prompt], greedy, args.tokens, prefill)
         row["greedy_report"] = rep[0]
@@ -91,10 +121,12 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
         t = time.time()
         eng.generate(input_ids=batch_prompts, sampling_params=[{"max_new_tokens": 1}] * len(batch_prompts))
         prefill = time.time() - t
-        ms, reps = ms_per_token(eng, batch_prompts, sampled, args.tokens, prefill)
+        ms, steady, reps = steady_ms_per_token(eng, batch_prompts, sampled, args.tokens, prefill)
         result["batch"] = {"context": args.batch_context, "requests": len(batch_prompts), "prefill_s": round(prefill, 3),
-                           "tokens_per_s": round(len(batch_prompts) * 1e3 / ms, 1), "reports": reps}
-        print(f"  {len(batch_prompts)} x {args.batch_context}: {result['batch']['tokens_per_s']} tokens/s", flush=True)
+                           "tokens_per_s": round(len(batch_prompts) * 1e3 / ms, 1),
+                           "steady_tokens_per_s": round(len(batch_prompts) * 1e3 / steady, 1), "reports": reps}
+        print(f"  {len(batch_prompts)} x {args.batch_context}: {result['batch']['tokens_per_s']} tokens/s "
+              f"(steady {result['batch']['steady_tokens_per_s']})", flush=True)
     return result
 
 

@@ -215,11 +215,12 @@ class AdaptiveController:
     # -- what the step did ---------------------------------------------------------------------
 
     def record_spec(self, committed: int, seconds: float | None = None, source: str | None = None,
-                    probe: bool | None = None) -> None:
+                    probe: bool | None = None, costs: StepCosts | None = None) -> None:
         """A speculative step committed ``committed`` tokens in ``seconds`` (None: the engine
         records the batch's seconds in the shared costs). ``probe``: whether the step was taken as
         a probe (default: what the last :meth:`decide` said; an engine that decides the next step
-        before recording this one passes it)."""
+        before recording this one passes it). ``costs``: the shape's shared costs in an engine,
+        which judge whether a probe paid (a controller's own are empty there)."""
         if probe is not None:
             self._probing = probe
         self._tick()
@@ -237,7 +238,7 @@ class AdaptiveController:
         if self._probing:
             self.probes += 1
             cfg = self.config
-            if self.worth():  # the probe paid: speculate again, probe eagerly next time
+            if self.worth(costs):  # the probe paid: speculate again, probe eagerly next time
                 self.interval = cfg.probe_every
             else:
                 self.interval = min(cfg.probe_max, max(self.interval, round(self.interval * cfg.probe_growth)))

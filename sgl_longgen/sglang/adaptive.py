@@ -138,9 +138,20 @@ class AdaptiveSteps:
         return kind
 
     def plan(self, steps, width: int) -> str:
-        """Decide the next step's kind now (before a drafter queues its draft)."""
+        """Decide the next step's kind now (before a drafter queues its draft).
+
+        The controllers have not seen this step's outcome yet. If it is a probe for every request
+        that decides, they would still find a probe due and probe twice in a row: the step after
+        a probe is plain, and the one after that knows whether the probe paid.
+        """
         states = [self.state(s) for s in steps]
         kind, probes = self._decide(steps, states, self._costs(steps, width))
+        cur = self._current
+        if kind == SPECULATE and cur is not None and cur.kind == SPECULATE and cur.probes:
+            deciding = [s.rid for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
+            if deciding and all(cur.probes.get(rid, False) for rid in deciding) and all(
+                    st.mode != ON for st in states):
+                kind, probes = PLAIN, {}
         self._planned = (frozenset(s.rid for s in steps), kind, probes)
         return kind
 
@@ -193,7 +204,7 @@ class AdaptiveSteps:
             c = st.controller
             if c is not None and s.blocker is None:
                 if kind == SPECULATE:
-                    c.record_spec(n, probe=probes.get(s.rid, False))
+                    c.record_spec(n, probe=probes.get(s.rid, False), costs=costs)
                 else:
                     for _ in range(n):
                         c.record_plain()

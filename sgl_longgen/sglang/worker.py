@@ -64,7 +64,8 @@ logger = logging.getLogger(__name__)
 FAULT_ENV = env.name("INJECT_DRAFT_FAULT")
 DRAFTING_FAILED = "drafting failed"
 # Plain steps queued back to back in one call (at most the verify width: a step's KV window).
-PLAIN_RUN = 8
+# The scheduler's and the host's time per call (1-3 ms) is spread over this many tokens.
+PLAIN_RUN = 32
 
 
 @dataclass

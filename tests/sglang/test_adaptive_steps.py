@@ -59,6 +59,19 @@ def test_auto_goes_plain_when_drafts_do_not_pay_and_stays_when_they_do(clock):
     assert paying.count(SPECULATE) > 180
 
 
+def test_probes_that_do_not_pay_grow_further_apart(clock):
+    """A probe is judged against the batch shape's measured costs: one that loses makes the next
+    interval four times longer (8, 32, 128, 256 speculative steps' worth of plain time), so over
+    1000 plain-priced steps only a handful speculate. Judged against a controller's own (empty)
+    costs every probe would look paying and the interval would stay at 8: dozens of probes."""
+    kinds = run(AdaptiveSteps(AdaptiveConfig(enabled=True)), [Request("a")],
+                {"steps": 1000, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    spec = [i for i, k in enumerate(kinds) if k == SPECULATE]
+    assert 3 <= len(spec) <= 8, spec
+    gaps = [b - a for a, b in zip(spec, spec[1:])][-3:]  # between the last probes
+    assert all(later >= 3 * earlier for earlier, later in zip(gaps, gaps[1:])), spec
+
+
 def test_the_cycle_is_measured_from_decode_to_decode_and_a_prefill_drops_it(clock):
     planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
     r = Request("a")
