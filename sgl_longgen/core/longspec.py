@@ -52,7 +52,7 @@ from ..errors import LonggenError
 from .nn import RMSNorm
 from .owl import DraftBeam
 from .tree import DraftTree, Source
-from .weights import check_shapes, expected_shapes, header_shapes, read_weights
+from .weights import check_shapes, expected_shapes, header_shapes, read_config, read_weights
 
 FORMAT = "sgl-longgen.longspec-drafter"
 VERSION = 1
@@ -355,21 +355,8 @@ def _positive_int(value) -> bool:
 
 
 def read_drafter_config(directory: str | Path) -> dict:
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise LonggenError(f"LongSpec drafter directory not found: {directory}")
-    cfg_path = directory / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise LonggenError(f"LongSpec drafter checkpoint is missing {cfg_path}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LonggenError(f"{cfg_path} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
-        fmt = cfg.get("format") if isinstance(cfg, dict) else None
-        raise LonggenError(f"{cfg_path} is not a LongSpec drafter config (format={fmt!r})")
-    if cfg.get("version") != VERSION:
-        raise LonggenError(f"{cfg_path}: unsupported version {cfg.get('version')!r} (this build reads {VERSION})")
+    cfg = read_config(directory, CONFIG_FILE, FORMAT, VERSION, "LongSpec drafter")
+    cfg_path = Path(directory) / CONFIG_FILE
     for key in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "window"):
         if not _positive_int(cfg.get(key)):
             raise LonggenError(f"{cfg_path}: '{key}' must be a positive integer")
@@ -384,21 +371,30 @@ def read_drafter_config(directory: str | Path) -> dict:
     return cfg
 
 
+def check_target(directory: str | Path, cfg: dict, target: dict) -> None:
+    """The drafter (``cfg``: its ``longspec.json``) was built for ``target`` (see
+    :func:`target_settings`): its queries meet the target's last-layer keys, so the shapes and the
+    RoPE must be the target's (theta as a number, scaling in one spelling). One error naming the file."""
+    for key, want in target.items():
+        have = cfg.get(key)
+        if key == "rope_theta":
+            same = have is not None and want is not None and float(have) == float(want)
+        elif key == "rope_scaling":
+            same = rope_scaling_key(have) == rope_scaling_key(want)
+        else:
+            same = have == want
+        if not same:
+            raise LonggenError(f"LongSpec drafter in {directory} was built for {key} = {have!r} but the model's is "
+                               f"{want!r} ({Path(directory) / CONFIG_FILE})")
+
+
 def check_drafter(directory: str | Path, target: dict | None = None) -> dict:
     """Validate a drafter checkpoint (file headers only) and, given ``target`` (see
     :func:`target_settings`), that it was built for that target: one error naming the file."""
     directory = Path(directory)
     cfg = read_drafter_config(directory)
     cfg_path = directory / CONFIG_FILE
-    for key, want in (target or {}).items():
-        have = cfg.get(key)
-        if key == "rope_theta":
-            same = float(have) == float(want)
-        else:
-            same = have == want
-        if not same:
-            raise LonggenError(f"LongSpec drafter in {directory} was built for {key} = {have!r} but the model's is "
-                               f"{want!r} ({cfg_path})")
+    check_target(directory, cfg, target or {})
     weights = directory / WEIGHTS_FILE
     check_shapes(header_shapes(weights), expected_shapes(lambda: _build(cfg)), weights, cfg_path, exact=True)
     return cfg

@@ -56,7 +56,7 @@ from torch import nn
 
 from ..errors import LonggenError
 from .tree import DraftTree, Source
-from .weights import check_shapes, expected_shapes, header_shapes, read_weights
+from .weights import check_shapes, expected_shapes, header_shapes, read_config, read_weights
 
 logger = logging.getLogger(__name__)
 
@@ -272,21 +272,8 @@ class OwlDrafter(nn.Module):
 
 
 def read_drafter_config(directory: str | Path) -> dict:
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise LonggenError(f"OWL drafter directory not found: {directory}")
-    cfg_path = directory / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise LonggenError(f"OWL drafter checkpoint is missing {cfg_path}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LonggenError(f"{cfg_path} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
-        fmt = cfg.get("format") if isinstance(cfg, dict) else None
-        raise LonggenError(f"{cfg_path} is not an OWL drafter config (format={fmt!r})")
-    if cfg.get("version") != VERSION:
-        raise LonggenError(f"{cfg_path}: unsupported version {cfg.get('version')!r} (this build reads {VERSION})")
+    cfg = read_config(directory, CONFIG_FILE, FORMAT, VERSION, "OWL drafter")
+    cfg_path = Path(directory) / CONFIG_FILE
     for key in ("hidden_size", "vocab_size", "width", "n_steps"):
         if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
             raise LonggenError(f"{cfg_path}: '{key}' must be a positive integer")

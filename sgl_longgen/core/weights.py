@@ -6,6 +6,7 @@ after, so every mismatch is reported as one error that names the file and the te
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,6 +15,28 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import LonggenError
+
+
+def read_config(directory: str | Path, config_file: str, fmt: str, version: int, what: str) -> dict:
+    """A drafter checkpoint's JSON config: present, valid JSON, of format ``fmt`` and ``version``;
+    every problem one error that names the file (``what``: "OWL drafter", ...)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LonggenError(f"{what} directory not found: {directory}")
+    cfg_path = directory / config_file
+    if not cfg_path.is_file():
+        raise LonggenError(f"{what} checkpoint is missing {cfg_path}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise LonggenError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != fmt:
+        found = cfg.get("format") if isinstance(cfg, dict) else None
+        article = "an" if what[:1].lower() in "aeiou" else "a"
+        raise LonggenError(f"{cfg_path} is not {article} {what} config (format={found!r})")
+    if cfg.get("version") != version:
+        raise LonggenError(f"{cfg_path}: unsupported version {cfg.get('version')!r} (this build reads {version})")
+    return cfg
 
 
 def expected_shapes(build) -> dict[str, tuple[int, ...]]:

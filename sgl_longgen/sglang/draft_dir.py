@@ -16,10 +16,10 @@ from pathlib import Path
 
 from ..config import GenerateConfig, convert, load_toml
 from ..core.heads import check_heads
-from ..core.longspec import CONFIG_FILE as LONGSPEC_CONFIG
 from ..core.longspec import check_drafter as check_longspec_drafter
+from ..core.longspec import check_target
 from ..core.longspec import read_drafter_config as read_longspec_config
-from ..core.longspec import rope_scaling_key, rope_settings
+from ..core.longspec import rope_settings
 from ..core.owl import check_drafter
 from ..errors import LonggenError
 
@@ -94,19 +94,8 @@ def longspec_target(config) -> dict:
 
 
 def check_longspec_target(path: Path, checkpoint: dict, target: dict) -> None:
-    """The drafter was built for this target: its queries meet the target's last-layer keys, so
-    the shapes and the RoPE (theta and scaling, compared in one spelling) must be the target's."""
-    for key, want in target.items():
-        have = checkpoint.get(key)
-        if key == "rope_theta":
-            same = float(have) == float(want)
-        elif key == "rope_scaling":
-            same = rope_scaling_key(have) == rope_scaling_key(want)
-        else:
-            same = have == want
-        if not same:
-            raise LonggenError(f"LongSpec drafter in {path} was built for {key} = {have!r} but the model's is "
-                               f"{want!r} ({path / LONGSPEC_CONFIG})")
+    """The drafter was built for this target (:func:`sgl_longgen.core.longspec.check_target`)."""
+    check_target(path, checkpoint, target)
 
 
 def inspect_longspec_draft_dir(path: str | Path | None, model_path: str | Path) -> DraftDir:
