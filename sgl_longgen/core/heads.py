@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import LonggenError
 from .nn import RMSNorm
-from .weights import check_shapes, expected_shapes, header_shapes, read_weights
+from .weights import check_shapes, expected_shapes, header_shapes, read_config, read_weights
 
 FORMAT = "sgl-longgen.tokenswift-heads"
 CONFIG_FILE = "heads.json"
@@ -81,18 +81,8 @@ class TokenSwiftHeads(nn.Module):
 
 
 def read_heads_config(directory: str | Path) -> dict:
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise LonggenError(f"heads directory not found: {directory}")
-    cfg_path = directory / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise LonggenError(f"heads checkpoint is missing {cfg_path}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LonggenError(f"{cfg_path} is not valid JSON: {exc}") from None
-    if cfg.get("format") != FORMAT:
-        raise LonggenError(f"{cfg_path} is not a TokenSwift heads config (format={cfg.get('format')!r})")
+    cfg = read_config(directory, CONFIG_FILE, FORMAT, None, "heads")
+    cfg_path = Path(directory) / CONFIG_FILE
     for key in ("num_heads", "hidden_size"):
         if not isinstance(cfg.get(key), int) or cfg[key] < 1:
             raise LonggenError(f"{cfg_path}: '{key}' must be a positive integer")

@@ -17,9 +17,9 @@ from torch import nn
 from ..errors import LonggenError
 
 
-def read_config(directory: str | Path, config_file: str, fmt: str, version: int, what: str) -> dict:
-    """A drafter checkpoint's JSON config: present, valid JSON, of format ``fmt`` and ``version``;
-    every problem one error that names the file (``what``: "OWL drafter", ...)."""
+def read_config(directory: str | Path, config_file: str, fmt: str, version: int | None, what: str) -> dict:
+    """A draft checkpoint's JSON config: present, valid JSON, of format ``fmt`` and ``version`` (None:
+    any); every problem one error that names the file (``what``: "OWL drafter", ...)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LonggenError(f"{what} directory not found: {directory}")
@@ -34,7 +34,7 @@ def read_config(directory: str | Path, config_file: str, fmt: str, version: int,
         found = cfg.get("format") if isinstance(cfg, dict) else None
         article = "an" if what[:1].lower() in "aeiou" else "a"
         raise LonggenError(f"{cfg_path} is not {article} {what} config (format={found!r})")
-    if cfg.get("version") != version:
+    if version is not None and cfg.get("version") != version:
         raise LonggenError(f"{cfg_path}: unsupported version {cfg.get('version')!r} (this build reads {version})")
     return cfg
 
