@@ -30,6 +30,7 @@ for them:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 import pkgutil
@@ -103,6 +104,14 @@ GPU_SYMBOLS: tuple[Need, ...] = (
     Need("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
          "adaptive speculation: the target's width-1 graphs for plain steps"),
 )
+
+# Private members of FlashInfer's decode wrapper the longgen backend and the draft graphs read,
+# checked with the GPU symbols: the draft graphs skip re-planning by the wrapper's plan object; a
+# per-layer partial-KV draft (policy "verify") refills the slots the wrapper reads for each layer;
+# the folded prefix path shares the wrapper's integer workspace.
+GPU_MEMBERS: dict[str, tuple[str, ...]] = {
+    "flashinfer.BatchDecodeWithPagedKVCacheWrapper": ("_plan_info", "_paged_kv_indices_buf", "_int_workspace_buffer"),
+}
 
 # -- hook targets ---------------------------------------------------------------------------------
 # name -> (target, hook type name, why). The hooks themselves live with their concern.
@@ -229,7 +238,8 @@ def missing(with_cpu_hooks: bool = False, with_gpu: bool = False) -> list[str]:
     for need in needs:
         if not _resolves(need.path):
             out.append(f"{need.path} ({need.why})")
-    for cls_path, names in MEMBERS.items():
+    members = dict(MEMBERS, **(GPU_MEMBERS if with_gpu else {}))
+    for cls_path, names in members.items():
         try:
             cls = pkgutil.resolve_name(cls_path)
         except Exception:  # noqa: BLE001
@@ -237,6 +247,11 @@ def missing(with_cpu_hooks: bool = False, with_gpu: bool = False) -> list[str]:
             continue
         out += [f"{cls_path}.{name}" for name in names if not _declares(cls, name)]
     return out
+
+
+def gpu_stack_present() -> bool:
+    """FlashInfer imports here (a GPU host): the longgen backend's pieces are then checked too."""
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def problems(with_cpu_hooks: bool = False, with_gpu: bool = False) -> list[str]:

@@ -283,7 +283,7 @@ def install() -> None:
     _DONE = True
     cpu.install_stand_in()  # first: SGLang's modules import sgl_kernel
     on_cpu = cpu.cpu_engine()
-    found = compat.problems(with_cpu_hooks=on_cpu)
+    found = compat.problems(with_cpu_hooks=on_cpu, with_gpu=not on_cpu and compat.gpu_stack_present())
     try:
         _register_algorithms()
     except Exception as exc:  # noqa: BLE001 - the registry itself moved: nothing can be selected

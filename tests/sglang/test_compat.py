@@ -16,6 +16,17 @@ from sglang_harness import engine_args, heads_path
 def test_the_installed_sglang_has_everything():
     assert compat.problems(with_cpu_hooks=True) == []
     assert compat.sglang_version() in compat.SUPPORTED_SGLANG
+    # The longgen backend's pieces and FlashInfer's private members, checked on GPU hosts at
+    # startup, resolve here too (FlashInfer imports without a GPU).
+    assert compat.gpu_stack_present()
+    assert compat.missing(with_gpu=True) == []
+
+
+def test_a_missing_private_member_of_flashinfer_is_named(monkeypatch):
+    monkeypatch.setitem(compat.GPU_MEMBERS, "flashinfer.BatchDecodeWithPagedKVCacheWrapper",
+                        ("_plan_info", "_no_such_buffer"))
+    assert compat.missing(with_gpu=True) == ["flashinfer.BatchDecodeWithPagedKVCacheWrapper._no_such_buffer"]
+    assert compat.missing(with_gpu=False) == []
 
 
 def test_every_hook_target_is_in_the_table():
