@@ -285,14 +285,23 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     """Median time (CUDA events, L2 flushed) of one full LongSpec beam expansion for an 8B-shaped
     target, ``batch`` requests at each context length: a steady step (the ring already holds the
     window; the last committed token and the root are fed), its cross-attention reading the
-    context's K/V from a paged pool through the Triton prefix kernel (the worker's GPU path) and
-    through the gather + SDPA twin. Random weights: the tree's shape, not its tokens, sets the cost."""
+    context's K/V from a paged pool through the Triton prefix kernel, eagerly and replayed as the
+    worker's CUDA graph (``beam_graph_ms``: the ring feed eager, the beam one replay), and through
+    the gather + SDPA twin. Random weights: the tree's shape, not its tokens, sets the cost."""
     import msgspec
     import torch
 
-    from ..core.longspec import DEFAULT_WIDTHS, LongSpecDrafter, WindowCache, expand_batch, rope_tables
+    from ..core.longspec import (
+        DEFAULT_WIDTHS,
+        LongSpecDrafter,
+        WindowCache,
+        expand_batch,
+        expand_rings,
+        feed_rings,
+        rope_tables,
+    )
     from ..runtime.model import ModelConfig, rope_inv_freq
-    from ..sglang.longspec import committed_attention
+    from ..sglang.longspec import GraphedBeam, committed_attention, kernel_attention, slot_lists
     from .kernels import time_us
 
     dev, dt = torch.device(device), torch.bfloat16
@@ -338,6 +347,29 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
                     row[f"beam_{name}_ms"] = round(time_us(step) / 1e3, 3)
                 except Exception as exc:  # report, do not lose the other numbers
                     row[f"beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if dev.type == "cuda":  # the Triton kernel and the graph need a GPU
+                graph_slots = slot_lists(rows, dev, capacity=batch * max(contexts))
+
+                def body(roots, lengths, ring_k, ring_v, ring_pos, kv_indptr, kv_indices):
+                    attend = kernel_attention(k_buffer, v_buffer, kv_indptr, kv_indices, drafter.cross_attn.scale)
+                    beam, broken = expand_rings(drafter, embed, head, rope, roots, lengths, ring_k, ring_v, ring_pos,
+                                                attend)
+                    return beam.tokens, beam.parents, beam.depths, beam.scores, broken
+
+                graphed = GraphedBeam(body)
+
+                def graph_step():
+                    roots, lengths = feed_rings(drafter, embed, rope, rings, [tokens[-2:]] * batch, [L - 1] * batch)
+                    stacked = (torch.stack([r.k for r in rings]), torch.stack([r.v for r in rings]),
+                               torch.stack([r.pos for r in rings]))
+                    return graphed(roots, lengths, *stacked, *graph_slots)
+
+                try:
+                    graph_step()
+                    row["beam_graph_ms"] = round(time_us(graph_step) / 1e3, 3)
+                    row["beam_graph_used"] = graphed.enabled
+                except Exception as exc:  # report, do not lose the other numbers
+                    row["beam_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
         out[str(L)] = row
         del rows, rings
     return out

@@ -596,18 +596,35 @@ def expand_batch(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
     engine keeps them). ``rope``: the target's cos/sin at given positions. ``rings[b]``,
     ``pending[b]``, ``starts[b]``: as ``ring``, ``pending``, ``start`` of :func:`expand`. Returns
     ``[B, N]`` tensors, row b the tree :func:`expand` builds for request b.
+
+    Two parts: :func:`feed_rings` (the pending tokens join their rings; host lists in) and
+    :func:`expand_rings` (the beam itself: fixed shapes, no value read back, so an engine can replay
+    it as a CUDA graph).
     """
+    roots, lengths = feed_rings(drafter, embed, rope, rings, pending, starts)
+    beam, broken = expand_rings(drafter, embed, head, rope, roots, lengths, torch.stack([r.k for r in rings]),
+                                torch.stack([r.v for r in rings]), torch.stack([r.pos for r in rings]), attend,
+                                widths, tree_size)
+    if bool(broken.any()):
+        raise AssertionError("the cut tree is not closed under ancestors")
+    return beam
+
+
+@torch.no_grad()
+def feed_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor], rope: Rope,
+               rings: Sequence[WindowCache], pending: Sequence[Sequence[int]], starts: Sequence[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pending tokens join their rings (one window-K/V pass for the batch; only each request's
+    last ``window`` matter). Returns the roots (each request's last pending token) and the committed
+    lengths ``L_b`` (the roots' positions), ``[B]`` on the rings' device."""
     if not rings or len(rings) != len(pending) or len(pending) != len(starts):
         raise ValueError("one ring, one pending list and one start per request")
     if any(not p for p in pending):
         raise ValueError("the drafter needs at least the root token")
-    B = len(rings)
     dev, dt = rings[0].k.device, rings[0].k.dtype
     W = drafter.window
     lengths = [s + len(p) - 1 for s, p in zip(starts, pending)]  # L_b: committed tokens, the root's position
     feeds = [list(p)[-W:] for p in pending]
-
-    # The pending tokens join their rings: one window-K/V pass for the batch.
     pos = torch.cat([torch.arange(L - len(f) + 1, L + 1) for f, L in zip(feeds, lengths)]).to(dev)
     cos, sin = rope(pos)
     k, v = drafter.window_kv(embed(torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)).to(dt),
@@ -616,14 +633,29 @@ def expand_batch(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
     for ring, f in zip(rings, feeds):
         ring.write(pos[offset : offset + len(f)], k[:, offset : offset + len(f)], v[:, offset : offset + len(f)])
         offset += len(f)
-    ring_k = torch.stack([r.k for r in rings])  # [B, Hkv, W, D]
-    ring_v = torch.stack([r.v for r in rings])
-    ring_pos = torch.stack([r.pos for r in rings])  # [B, W]
-    L = torch.tensor(lengths, dtype=torch.long, device=dev)
+    return (torch.tensor([f[-1] for f in feeds], dtype=torch.long, device=dev),
+            torch.tensor(lengths, dtype=torch.long, device=dev))
+
+
+@torch.no_grad()
+def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor],
+                 head: Callable[[torch.Tensor], torch.Tensor], rope: Rope, roots: torch.Tensor, lengths: torch.Tensor,
+                 ring_k: torch.Tensor, ring_v: torch.Tensor, ring_pos: torch.Tensor, attend: Attend,
+                 widths: Sequence[int] = DEFAULT_WIDTHS, tree_size: int = 63) -> tuple[DraftBeam, torch.Tensor]:
+    """The beam of :func:`expand_batch` once the rings hold every history token: ``roots``,
+    ``lengths`` ``[B]``; the stacked rings ``ring_k``/``ring_v`` ``[B, Hkv, W, D]``, ``ring_pos``
+    ``[B, W]``. Every shape follows from ``B``, the widths and the vocabulary, and nothing is read
+    back to the host: one CUDA graph per batch size can replay it. Returns the ``[B, N]`` beam and
+    a ``[B]`` flag of rows whose cut was not closed under ancestors (never set; checked by the caller
+    once the beam is on the host anyway)."""
+    B = roots.shape[0]
+    dev, dt = ring_k.device, ring_k.dtype
+    W = drafter.window
+    L = lengths
 
     # The roots: their windows are the rings (their own slots masked: their own keys come last).
     root_pos = L[:, None]
-    x = embed(torch.tensor([f[-1] for f in feeds], dtype=torch.long, device=dev))[:, None].to(dt)
+    x = embed(roots)[:, None].to(dt)
     r_cos, r_sin = rope(root_pos)
     mask = _window_visible(ring_pos, root_pos, W) & (ring_pos != L[:, None])[:, None, :]
     mask = torch.cat([mask, torch.ones(B, 1, 1, dtype=torch.bool, device=dev)], dim=2)
@@ -673,10 +705,25 @@ def expand_batch(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
         anc = grown
         front = torch.arange(size, size + w, device=dev)
         size += w
-    scores, tokens, parents = torch.cat(pool_s, dim=1), torch.cat(pool_t, dim=1), torch.cat(pool_p, dim=1)
-    depths = torch.cat(pool_d)
-    rows = [select_nodes(scores[b], tokens[b], parents[b], depths, tree_size) for b in range(B)]
-    return DraftBeam(*(torch.cat([getattr(r, f) for r in rows]) for f in ("tokens", "parents", "depths", "scores")))
+    return select_nodes_batched(torch.cat(pool_s, dim=1), torch.cat(pool_t, dim=1), torch.cat(pool_p, dim=1),
+                                torch.cat(pool_d), tree_size)
+
+
+def select_nodes_batched(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                         n: int) -> tuple[DraftBeam, torch.Tensor]:
+    """:func:`select_nodes` for every row of ``[B, P]`` pools at once (``depths`` ``[P]``, shared),
+    without reading anything back: the beam and a ``[B]`` flag of rows whose cut lost a parent
+    (a stable descending sort keeps a parent ahead of a child of equal score, so it stays False)."""
+    B, P = scores.shape
+    n = min(n, P)
+    best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+    sel = best.sort(dim=1).values  # [B, n], creation order
+    slot = torch.full((B, P), -1, dtype=torch.long, device=scores.device)
+    slot.scatter_(1, sel, torch.arange(n, device=scores.device).expand(B, n))
+    par = parents.gather(1, sel)
+    new_par = torch.where(par >= 0, slot.gather(1, par.clamp(min=0)), par)
+    broken = ((par >= 0) & (new_par < 0)).any(dim=1)
+    return DraftBeam(tokens.gather(1, sel), new_par, depths[sel], scores.gather(1, sel)), broken
 
 
 def beam_tree(beam: DraftBeam, root: int, row: int = 0) -> DraftTree:

@@ -26,19 +26,23 @@ accept; every committed token is drawn by the worker's per-node walk.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..core.longspec import Attend, WindowCache, expand_batch, load_drafter
+from ..core.longspec import Attend, WindowCache, expand_batch, expand_rings, feed_rings, load_drafter
+from ..core.owl import DraftBeam
 from ..errors import LonggenError
 from ..methods import Draft, LongSpec, LongSpecState
 from . import compat
 from .draft_dir import check_longspec_target, inspect_longspec_draft_dir, longspec_target
 from .drafter import Drafter, Shadow
 from .requests import PenaltyDefaults, StepRequest
+
+logger = logging.getLogger(__name__)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the Triton prefix kernel reads
 
@@ -99,6 +103,25 @@ class TargetRope:
         return int(self.rotary.cos_sin_cache.shape[0])
 
 
+class FrozenRope:
+    """A :class:`TargetRope` over a private copy of the table taken at the first call."""
+
+    def __init__(self, rope: TargetRope):
+        self.source = rope
+        self.table: torch.Tensor | None = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            self.table = self.source.rotary.cos_sin_cache.float().clone()
+        rows = self.table.index_select(0, positions.reshape(-1).to(self.table.device)).view(*positions.shape, -1)
+        cos, sin = rows.chunk(2, dim=-1)
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+    @property
+    def positions(self) -> int:
+        return self.source.positions
+
+
 def last_attention_layer(model) -> int:
     """The layer id (in SGLang's KV pool) of the target's last attention layer."""
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -120,20 +143,8 @@ def committed_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, rows: Se
     SDPA (the kernel's twin, and the CPU path).
     """
     if kernel:
-        from ..kernels.prefix_attention import prefix_attention
-
-        device = k_buffer.device
-        indptr = torch.tensor(list(itertools.accumulate((r.numel() for r in rows), initial=0)), dtype=torch.int32,
-                              device=device)
-        indices = (rows[0] if len(rows) == 1 else torch.cat(list(rows))).to(device=device, dtype=torch.int32)
-
-        def attend(q: torch.Tensor) -> torch.Tensor:
-            B, H, T, D = q.shape
-            flat = q.transpose(1, 2).reshape(B * T, H, D).contiguous()
-            out, _ = prefix_attention(flat, k_buffer, v_buffer, indptr, indices, scale)
-            return out.view(B, T, H, D).transpose(1, 2)
-
-        return attend
+        indptr, indices = slot_lists(rows, k_buffer.device)
+        return kernel_attention(k_buffer, v_buffer, indptr, indices, scale)
 
     keys = [k_buffer[r.long()].transpose(0, 1) for r in rows]  # [Hkv, L, D]
     values = [v_buffer[r.long()].transpose(0, 1) for r in rows]
@@ -144,6 +155,76 @@ def committed_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, rows: Se
                             for b in range(q.shape[0])])
 
     return attend
+
+
+def slot_lists(rows: Sequence[torch.Tensor], device, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_indptr`` ``[B+1]`` and ``kv_indices`` (int32) of the requests' slot rows; ``capacity``:
+    pad the indices to that many entries (a fixed shape for a CUDA graph; the tail is never read)."""
+    indptr = torch.tensor(list(itertools.accumulate((r.numel() for r in rows), initial=0)), dtype=torch.int32,
+                          device=device)
+    indices = (rows[0] if len(rows) == 1 else torch.cat(list(rows))).to(device=device, dtype=torch.int32)
+    if capacity is not None:
+        padded = torch.zeros(capacity, dtype=torch.int32, device=device)
+        padded[: indices.numel()] = indices
+        indices = padded
+    return indptr, indices
+
+
+def kernel_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                     scale: float) -> Attend:
+    """The Triton prefix kernel over each request's slots ``indices[indptr[b]:indptr[b+1]]``: every
+    query row of a KV head on each K/V tile, the prefix read once per level. Its launch shape depends
+    only on the batch and the query rows, so a CUDA graph replays it with other slots."""
+    from ..kernels.prefix_attention import prefix_attention
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = q.shape
+        flat = q.transpose(1, 2).reshape(B * T, H, D).contiguous()
+        out, _ = prefix_attention(flat, k_buffer, v_buffer, indptr, indices, scale)
+        return out.view(B, T, H, D).transpose(1, 2)
+
+    return attend
+
+
+class GraphedBeam:
+    """A batch's beam (``fn``: :func:`~sgl_longgen.core.longspec.expand_rings` over fixed-shape
+    inputs) replayed as one CUDA graph per batch size: the eager beam is some hundred small kernel
+    launches and host work per level (23 ms for one request on an H100, at 4K as at 98K).
+
+    A batch size's first replay is checked against the eager beam on the same inputs (the same
+    kernels run, so tokens and parents must agree exactly); a failed capture or a disagreement is
+    logged once and the eager beam serves from then on. Lossless either way: the beam only
+    proposes.
+    """
+
+    def __init__(self, fn):
+        from ..core.cuda_graph import GraphedFunction
+
+        self.fn = fn
+        self.graphed = GraphedFunction(fn)
+        self.checked: set[int] = set()
+        self.enabled = True
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.enabled:
+            return self.fn(*args)
+        bs = int(args[0].shape[0])
+        try:
+            out = tuple(t.clone() for t in self.graphed(*args))
+        except Exception as exc:  # noqa: BLE001 - the eager beam still drafts
+            logger.error("LONGSPEC: capturing the beam as a CUDA graph failed (%s: %s); drafting eagerly",
+                         type(exc).__name__, exc, exc_info=exc)
+            self.enabled = False
+            return self.fn(*args)
+        if bs not in self.checked:
+            ref = self.fn(*args)
+            if not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
+                logger.error("LONGSPEC: the beam's CUDA graph disagrees with the eager beam at batch size %d; "
+                             "drafting eagerly", bs)
+                self.enabled = False
+                return ref
+            self.checked.add(bs)
+        return out
 
 
 # -- the drafter ------------------------------------------------------------------------------------
@@ -162,6 +243,8 @@ class LongSpecRequest:
 class _Batch:
     rings: list[WindowCache]
     attend: Attend
+    # The graphed beam's cross-attention slots: kv_indptr and kv_indices padded to a fixed size.
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class LongSpecDrafter(Drafter):
@@ -199,6 +282,14 @@ class LongSpecDrafter(Drafter):
         self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
         self._pool_checked = False
         self._batch: _Batch | None = None
+        self.context_len = int(runner.model_config.context_len)
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's last-layer K/V
+        # On a GPU the beam replays as CUDA graphs; its RoPE then reads a table of its own (a graph
+        # keeps addresses: SGLang may recast its table, the copy never moves).
+        self._graphed = None
+        if env.device.type == "cuda":
+            self.rope = FrozenRope(self.rope)
+            self._graphed = GraphedBeam(self._beam)
 
     # -- per request -----------------------------------------------------------------------------
 
@@ -259,13 +350,34 @@ class LongSpecDrafter(Drafter):
             rows.append(table[s.req.req_pool_idx, : s.seq_len])  # committed slots only: never the verify window
         k_buffer, v_buffer = pool.get_kv_buffer(self.layer_id)
         kernel = self.env.device.type == "cuda" and k_buffer.dtype in KERNEL_DTYPES
+        rings = [self._ring(s.state.method) for s in active]
+        if kernel and self._graphed is not None and self._graphed.enabled:
+            self._buffers = (k_buffer, v_buffer)
+            slots = slot_lists(rows, k_buffer.device, capacity=len(rows) * self.context_len)
+            return _Batch(rings, kernel_attention(k_buffer, v_buffer, *slots, self.drafter.cross_attn.scale), slots)
         attend = committed_attention(k_buffer, v_buffer, rows, self.drafter.cross_attn.scale, kernel)
-        return _Batch([self._ring(s.state.method) for s in active], attend)
+        return _Batch(rings, attend)
 
     def _expand(self, rids, pending, starts):
         b = self._batch
-        return expand_batch(self.drafter, self.embedding, self._head, self.rope, b.rings, b.attend, pending, starts,
-                            self.widths, self.tree_size)
+        if b.slots is None:
+            return expand_batch(self.drafter, self.embedding, self._head, self.rope, b.rings, b.attend, pending,
+                                starts, self.widths, self.tree_size)
+        roots, lengths = feed_rings(self.drafter, self.embedding, self.rope, b.rings, pending, starts)
+        rings = (torch.stack([r.k for r in b.rings]), torch.stack([r.v for r in b.rings]),
+                 torch.stack([r.pos for r in b.rings]))
+        tokens, parents, depths, scores, broken = self._graphed(roots, lengths, *rings, *b.slots)
+        if bool(broken.any()):
+            raise AssertionError("the cut tree is not closed under ancestors")
+        return DraftBeam(tokens, parents, depths, scores)
+
+    def _beam(self, roots, lengths, ring_k, ring_v, ring_pos, kv_indptr, kv_indices):
+        """The graphed beam's body: fixed shapes for a batch size, the pool's last-layer K/V read in place."""
+        k_buffer, v_buffer = self._buffers
+        attend = kernel_attention(k_buffer, v_buffer, kv_indptr, kv_indices, self.drafter.cross_attn.scale)
+        beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope, roots, lengths, ring_k,
+                                    ring_v, ring_pos, attend, self.widths, self.tree_size)
+        return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head.weight[: self.env.vocab_size])  # SGLang pads the head's rows

@@ -26,6 +26,8 @@ from sgl_longgen.core.longspec import (
     load_drafter,
     rope_tables,
     sample_anchor_offset,
+    select_nodes,
+    select_nodes_batched,
     target_settings,
 )
 from sgl_longgen.core.tree import Source
@@ -300,6 +302,45 @@ def test_the_cut_tree_is_the_best_nodes_closed_under_ancestors():
         assert path_nodes(tree, node)[0] == 0  # every node hangs from the root through kept nodes
     for i, p in enumerate(cut.parents[0].tolist()):
         assert p < i and (p < 0 or cut.scores[0, p] >= cut.scores[0, i])
+
+
+def test_the_batched_cut_is_the_per_request_cut_ties_included():
+    """The engine's beam cuts every request's pool at once, on the device, without the per-row
+    host check: the same nodes, parents and scores as :func:`select_nodes` per row, pools with
+    tied scores included; a pool whose cut would orphan a node is flagged, not hidden."""
+    g = torch.Generator().manual_seed(0)
+    B, widths = 5, [3, 6, 6]
+    depths = torch.cat([torch.full((w,), i + 1) for i, w in enumerate(widths)])
+    parents, scores = [], []
+    for _ in range(B):
+        par, sc, start, prev = [], [], 0, None
+        for w in widths:
+            if prev is None:
+                par += [-1] * w
+                sc += (-torch.rand(w, generator=g)).tolist()
+            else:
+                chosen = torch.randint(prev[0], prev[1], (w,), generator=g).tolist()
+                par += chosen
+                sc += [sc[c] - float(torch.randint(0, 3, (), generator=g)) * 0.5 for c in chosen]  # ties
+            prev = (start, start + w)
+            start += w
+        parents.append(par)
+        scores.append(sc)
+    parents, scores = torch.tensor(parents), torch.tensor(scores, dtype=torch.float64)
+    tokens = torch.randint(0, 50, scores.shape, generator=g)
+    for n in (1, 7, 15, 99):
+        beam, broken = select_nodes_batched(scores, tokens, parents, depths, n)
+        assert not broken.any()
+        for b in range(B):
+            want = select_nodes(scores[b], tokens[b], parents[b], depths, n)
+            for field in ("tokens", "parents", "depths", "scores"):
+                assert torch.equal(getattr(beam, field)[b], getattr(want, field)[0]), (n, b, field)
+    orphan = parents.clone()
+    orphan[:, -1] = orphan.shape[1] - 2  # a last node whose parent is the (lower-scored) node before it
+    low = scores.clone()
+    low[:, -2] = -100.0
+    assert select_nodes_batched(low, tokens, orphan, depths, 5)[1].tolist() == [
+        bool(low[b, -1] >= torch.sort(low[b], descending=True, stable=True).values[4]) for b in range(B)]
 
 
 def test_widths_wider_than_the_vocabulary_are_clamped():
