@@ -34,6 +34,22 @@ output: every committed token is drawn by the shared per-node walk (:mod:`.verif
 :func:`expand_batch` is the same beam for a batch of requests (an engine's step: one block
 forward per level for all of them), the cross-attention handed in by the engine, which reads the
 target's K/V where its cache keeps them; row b is what :func:`expand` builds for request b.
+
+**Reduced draft vocabulary.** Each beam level multiplies its rows by the whole LM head: for an 8B
+target (128K rows, 1 GB in bf16 at width 4096) that memory traffic alone is most of the draft's
+cost. With ``draft_vocab_size`` N < ``vocab_size`` in ``longspec.json`` the checkpoint carries a
+``token_map`` (int64 ``[N]``, distinct target ids; the trainer writes them sorted by id, any order
+loads: the order only numbers the draft ids) and the drafter scores only those N tokens: its head
+is the target's LM head rows at ``token_map``, gathered once when the drafter is set up
+(:func:`draft_head`; no trained weights of its own), and the beam maps its picks back to target
+ids on the device (no host sync, CUDA-graph safe), so the trees, the scores' meaning and the next
+level's inputs are as before, over a vocabulary that lacks the rarer tokens. The embedding stays
+the target's full table (a root can be any token). Lossless as every drafting choice is: only the
+draft changes, never the verification; a token outside the map is never proposed, and the shared
+per-node walk (:mod:`.verify`) draws every committed token from the target distribution. The
+softmax over the N logits is the full softmax with every other token at -inf, which a beam over
+the full head with those tokens masked reproduces exactly. Without the field, a checkpoint is a
+full-vocabulary drafter, files and behaviour as before.
 """
 
 from __future__ import annotations
@@ -45,14 +61,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import LonggenError
 from .nn import RMSNorm
-from .owl import DraftBeam
+from .owl import DraftBeam, token_map_problem
 from .tree import DraftTree, Source
-from .weights import check_shapes, expected_shapes, header_shapes, read_config, read_weights
+from .weights import (
+    check_shapes,
+    expected_shapes,
+    header_shapes,
+    read_config,
+    read_weights,
+)
 
 FORMAT = "sgl-longgen.longspec-drafter"
 VERSION = 1
@@ -225,17 +248,23 @@ class LongSpecDrafter(nn.Module):
     """The block. ``num_heads``/``num_kv_heads``/``head_dim``: the target's (the cross-attention
     reads its K/V heads; the self-attention uses the same shape). ``window``: tokens of its own
     the self-attention sees, itself included. ``rope_theta``/``rope_scaling``: the target's,
-    recorded so a checkpoint is refused by a target whose keys carry another RoPE."""
+    recorded so a checkpoint is refused by a target whose keys carry another RoPE.
+    ``draft_vocab_size``: the target tokens the drafter scores (default: all of them); below
+    ``vocab_size`` they are listed by the ``token_map`` buffer (draft id -> target id)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate_size: int, window: int = DEFAULT_WINDOW, rope_theta: float = 10000.0,
-                 rope_scaling: dict | None = None, norm_eps: float = 1e-6):
+                 rope_scaling: dict | None = None, norm_eps: float = 1e-6, draft_vocab_size: int | None = None):
         super().__init__()
         if min(hidden_size, vocab_size, num_heads, num_kv_heads, head_dim, intermediate_size, window) < 1:
             raise ValueError("every size of a LongSpec drafter must be positive")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        # The whole vocabulary needs no map: a full drafter keeps the checkpoint format of before.
+        self.draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.intermediate_size, self.window, self.norm_eps = intermediate_size, window, norm_eps
         self.rope_theta, self.rope_scaling = float(rope_theta), rope_scaling
@@ -246,13 +275,56 @@ class LongSpecDrafter(nn.Module):
         self.post_cross_attention_layernorm = RMSNorm(hidden_size, norm_eps)
         self.mlp = MLP(hidden_size, intermediate_size)
         self.norm = RMSNorm(hidden_size, norm_eps)
+        self.token_map: torch.Tensor | None
+        if self.reduced:
+            # Draft id -> target id; a placeholder until set_token_map (or a checkpoint) fills it.
+            self.register_buffer("token_map", torch.arange(self.draft_vocab_size, dtype=torch.long))
+        else:
+            self.token_map = None
 
     @classmethod
-    def for_target(cls, cfg, intermediate_size: int = 0, window: int = DEFAULT_WINDOW) -> LongSpecDrafter:
+    def for_target(cls, cfg, intermediate_size: int = 0, window: int = DEFAULT_WINDOW,
+                   draft_vocab_size: int | None = None) -> LongSpecDrafter:
         """A drafter shaped for a target (a runtime ``ModelConfig``); ``intermediate_size`` 0: the target's."""
         return cls(cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.n_kv_heads, cfg.dim_head,
                    intermediate_size or cfg.intermediate_size, window, cfg.rope_theta, cfg.rope_scaling,
-                   cfg.rms_norm_eps)
+                   cfg.rms_norm_eps, draft_vocab_size)
+
+    # -- the reduced draft vocabulary ----------------------------------------------------------
+
+    @property
+    def reduced(self) -> bool:
+        """The drafter scores a subset of the target vocabulary (through ``token_map``)."""
+        return self.draft_vocab_size < self.vocab_size
+
+    def set_token_map(self, token_map: torch.Tensor | Sequence[int]) -> None:
+        """Fill the draft id -> target id map (validated like a checkpoint's)."""
+        if not self.reduced:
+            raise ValueError("a full-vocabulary drafter has no token map")
+        ids = torch.as_tensor(token_map)
+        problem = token_map_problem(ids, self.vocab_size, self.draft_vocab_size)
+        if problem:
+            raise ValueError(f"token map {problem}")
+        with torch.no_grad():
+            self.token_map.copy_(ids.to(torch.long))
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft ids: a device-side gather, no host sync (identity when full)."""
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    def with_token_map(self, token_map: torch.Tensor | Sequence[int]) -> LongSpecDrafter:
+        """A copy of this drafter's block scoring only ``token_map``'s target ids (its head is still
+        the target's, so any drafter, trained with the full head or not, can be given a map)."""
+        ids = torch.as_tensor(token_map)
+        c = self.config()
+        out = _build({**c, "draft_vocab_size": int(ids.numel())}).to(next(self.parameters()))
+        state = {k: v for k, v in self.state_dict().items() if k != "token_map"}
+        out.load_state_dict(state, strict=False)
+        if out.reduced:
+            out.set_token_map(ids.to(out.token_map.device))
+        elif not torch.equal(ids.sort().values.cpu(), torch.arange(self.vocab_size)):
+            raise ValueError(f"token map {token_map_problem(ids, self.vocab_size, self.vocab_size)}")
+        return out.train(self.training)
 
     def reset_parameters(self, generator: torch.Generator | None = None, final_norm: torch.Tensor | None = None,
                          std: float | None = None) -> None:
@@ -307,12 +379,15 @@ class LongSpecDrafter(nn.Module):
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size, "window": self.window, "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling, "norm_eps": self.norm_eps,
+            # absent: the full vocabulary, as in checkpoints that predate the field
+            **({"draft_vocab_size": self.draft_vocab_size} if self.reduced else {}),
         }
 
     def save(self, directory: str | Path, **extra) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous().cpu()
+                 for k, v in self.state_dict().items()}  # the token map stays int64
         save_file(state, str(directory / WEIGHTS_FILE))
         (directory / CONFIG_FILE).write_text(json.dumps({**self.config(), **extra}, indent=2) + "\n")
         return directory
@@ -368,6 +443,10 @@ def read_drafter_config(directory: str | Path) -> dict:
             raise LonggenError(f"{cfg_path}: '{key}' must be a positive number")
     if cfg.get("rope_scaling") is not None and not isinstance(cfg["rope_scaling"], dict):
         raise LonggenError(f"{cfg_path}: 'rope_scaling' must be a table or null")
+    if "draft_vocab_size" in cfg and not (_positive_int(cfg["draft_vocab_size"])
+                                          and cfg["draft_vocab_size"] <= cfg["vocab_size"]):
+        raise LonggenError(f"{cfg_path}: 'draft_vocab_size' must be an integer in [1, vocab_size = "
+                           f"{cfg['vocab_size']}], got {cfg['draft_vocab_size']!r}")
     return cfg
 
 
@@ -397,13 +476,23 @@ def check_drafter(directory: str | Path, target: dict | None = None) -> dict:
     check_target(directory, cfg, target or {})
     weights = directory / WEIGHTS_FILE
     check_shapes(header_shapes(weights), expected_shapes(lambda: _build(cfg)), weights, cfg_path, exact=True)
+    if cfg.get("draft_vocab_size", cfg["vocab_size"]) < cfg["vocab_size"]:
+        try:  # N integers: cheap to read even when a server starts
+            with safe_open(str(weights), framework="pt") as f:
+                token_map = f.get_tensor("token_map")
+        except (SafetensorError, OSError) as exc:
+            raise LonggenError(f"cannot read {weights}: {exc}") from None
+        problem = token_map_problem(token_map, cfg["vocab_size"], cfg["draft_vocab_size"])
+        if problem:
+            raise LonggenError(f"{weights}: tensor token_map {problem} ({cfg_path} sets draft_vocab_size = "
+                               f"{cfg['draft_vocab_size']})")
     return cfg
 
 
 def _build(cfg: dict) -> LongSpecDrafter:
     return LongSpecDrafter(cfg["hidden_size"], cfg["vocab_size"], cfg["num_heads"], cfg["num_kv_heads"],
                            cfg["head_dim"], cfg["intermediate_size"], cfg["window"], float(cfg["rope_theta"]),
-                           cfg.get("rope_scaling"), float(cfg["norm_eps"]))
+                           cfg.get("rope_scaling"), float(cfg["norm_eps"]), cfg.get("draft_vocab_size"))
 
 
 def load_drafter(directory: str | Path, target: dict | None = None, dtype: torch.dtype = torch.float32
@@ -414,6 +503,46 @@ def load_drafter(directory: str | Path, target: dict | None = None, dtype: torch
     drafter = _build(cfg)
     drafter.load_state_dict(read_weights(directory / WEIGHTS_FILE))
     return drafter.to(dtype).eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------
+# the drafter's head
+
+
+class ReducedHead:
+    """The target's LM head rows at a drafter's ``token_map``: ``[..., d] -> [..., N]`` draft logits.
+
+    The rows are gathered once, here, into a tensor of their own that stays where it is (a CUDA
+    graph of the beam reads it at a fixed address), so a beam level reads N rows instead of the
+    whole head. Taken from the target's weights when the drafter is set up: an engine that later
+    replaced the target's weights would draft from the old rows (still lossless, only less apt).
+    """
+
+    def __init__(self, weight: torch.Tensor, token_map: torch.Tensor):
+        if weight.dim() != 2 or int(token_map.max()) >= weight.shape[0]:
+            raise ValueError(f"the LM head ({tuple(weight.shape)}) lacks rows the token map lists "
+                             f"(up to {int(token_map.max())})")
+        with torch.no_grad():
+            self.weight = weight.detach().index_select(0, token_map.to(weight.device)).contiguous()
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+
+def draft_head(drafter: LongSpecDrafter, weight: torch.Tensor,
+               full: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The head a beam over ``drafter`` calls: ``full`` (the target's own) for a full-vocabulary
+    drafter, else a :class:`ReducedHead` of ``weight`` (the target's LM head matrix, ``[>= V, d]``)."""
+    return ReducedHead(weight, drafter.token_map) if drafter.reduced else full
+
+
+def _draft_width(drafter: LongSpecDrafter, logits: torch.Tensor) -> int:
+    """Logit columns of the head the beam was handed: the drafter's vocabulary, or a clear error."""
+    V = logits.shape[-1]
+    if drafter.reduced and V != drafter.draft_vocab_size:
+        raise ValueError(f"the drafter scores {drafter.draft_vocab_size} mapped tokens but its head gave {V} "
+                         "logits: pass draft_head(drafter, ...)")
+    return V
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,7 +626,8 @@ def expand(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tenso
     ``pending``: the history tokens the ring lacks, from position ``start``, the root (the last
     sampled token, at position ``L``) last; they join the ring first. ``target_k``/``target_v``:
     the target's last-layer K/V ``[Hkv, >= L, D]``; only positions ``[0, L)`` are read, the
-    committed ones. ``embed``/``head``: the target's embedding and LM head.
+    committed ones. ``embed``/``head``: the target's embedding and LM head (for a reduced-vocabulary
+    drafter, :func:`draft_head`'s: the beam picks among its N logits and proposes the mapped target ids).
     """
     if not pending:
         raise ValueError("the drafter needs at least the root token")
@@ -520,10 +650,10 @@ def expand(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tenso
     h, _, _ = drafter(x, q_cos, q_sin, ring.k, ring.v, torch.cat([mask, torch.ones(1, 1, dtype=torch.bool, device=dev)], 1),
                       cross_k, cross_v)
     logp = torch.log_softmax(head(h).to(torch.float64 if dt == torch.float64 else torch.float32), dim=-1)[0]
-    V = logp.shape[-1]
+    V = _draft_width(drafter, logp)
     w = min(widths[0], V)
     score, token = logp.topk(w)
-    pool_s, pool_t = [score], [token]
+    pool_s, pool_t = [score], [drafter.to_target(token)]
     pool_p = [torch.full((w,), -1, dtype=torch.long, device=dev)]
     pool_d = [torch.ones(w, dtype=torch.long, device=dev)]
     # anc[i, j]: pool node j is an ancestor of pool node i, or i itself (grown level by level)
@@ -557,7 +687,7 @@ def expand(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tenso
         score, flat = cand.topk(w)
         parent = front[flat // V]
         pool_s.append(score)
-        pool_t.append(flat % V)
+        pool_t.append(drafter.to_target(flat % V))
         pool_p.append(parent)
         pool_d.append(torch.full((w,), level, dtype=torch.long, device=dev))
         grown = torch.zeros(size + w, size + w, dtype=torch.bool, device=dev)
@@ -661,10 +791,10 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
     mask = torch.cat([mask, torch.ones(B, 1, 1, dtype=torch.bool, device=dev)], dim=2)
     h, _, _ = drafter.forward_with(x, r_cos, r_sin, ring_k, ring_v, mask, attend)
     logp = torch.log_softmax(head(h).to(torch.float64 if dt == torch.float64 else torch.float32), dim=-1)[:, 0]
-    V = logp.shape[-1]
+    V = _draft_width(drafter, logp)
     w = min(widths[0], V)
     score, token = logp.topk(w, dim=-1)  # [B, w]
-    pool_s, pool_t = [score], [token]
+    pool_s, pool_t = [score], [drafter.to_target(token)]
     pool_p = [torch.full((B, w), -1, dtype=torch.long, device=dev)]
     pool_d = [torch.ones(w, dtype=torch.long, device=dev)]
     anc = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # [B, P, P], as in expand
@@ -695,7 +825,7 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
         score, flat = cand.topk(w, dim=-1)
         parent = front[flat // V]  # [B, w]
         pool_s.append(score)
-        pool_t.append(flat % V)
+        pool_t.append(drafter.to_target(flat % V))
         pool_p.append(parent)
         pool_d.append(torch.full((w,), level, dtype=torch.long, device=dev))
         grown = torch.zeros(B, size + w, size + w, dtype=torch.bool, device=dev)

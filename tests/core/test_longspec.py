@@ -1,7 +1,9 @@
 """LongSpec's drafter: anchor-offset indices, the checkpoint format and its refusals, the lagged
 cross-attention of flash noisy training, and the beam tree (checked against a slow reference that
 runs the drafter over every node's whole sequence, with the window ring wrapping around and with
-a window shallower than the tree), which reads only the target's committed K/V."""
+a window shallower than the tree), which reads only the target's committed K/V. The reduced draft
+vocabulary: its checkpoint round trip, the refusal of bad token maps, and its beam being the
+full head's beam with every unmapped token masked out (so it only ever proposes mapped ids)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from sgl_longgen.core.longspec import (
     anchor_offset_positions,
     beam_tree,
     check_drafter,
+    draft_head,
     expand,
     load_drafter,
     rope_tables,
@@ -103,6 +106,103 @@ def test_checkpoint_round_trip(tmp_path):
         assert torch.equal(loaded.state_dict()[key], value), key
     # no embedding or head of its own: those are the target's
     assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "ls" / WEIGHTS_FILE))
+    # a full-vocabulary drafter: no map, no field (the files of drafters that predate them)
+    assert "draft_vocab_size" not in cfg and "token_map" not in load_file(tmp_path / "ls" / WEIGHTS_FILE)
+    assert loaded.token_map is None and not loaded.reduced
+
+
+MAP = [0, 3, 4, 7, 9, 10, 11, 15, 16, 20, 21, 22, 25, 30, 33, 34, 35, 37, 38, 39]  # 20 of the 40 ids
+
+
+def test_reduced_checkpoint_round_trip(tmp_path):
+    d = drafter(window=64)
+    r = d.with_token_map(torch.tensor(MAP))
+    assert r.reduced and r.draft_vocab_size == 20 and not d.reduced
+    r.save(tmp_path / "ls")
+    cfg = json.loads((tmp_path / "ls" / CONFIG_FILE).read_text())
+    assert cfg["draft_vocab_size"] == 20 and cfg["vocab_size"] == 40
+    stored = load_file(tmp_path / "ls" / WEIGHTS_FILE)
+    assert stored["token_map"].dtype == torch.int64 and stored["token_map"].tolist() == MAP
+    loaded = load_drafter(tmp_path / "ls", target_settings(target().config), dtype=torch.float64)
+    assert loaded.token_map.tolist() == MAP and loaded.token_map.dtype == torch.int64
+    for key, value in d.state_dict().items():  # the block is the full drafter's: no weights of its own
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_bad_token_maps_are_refused_naming_the_file(tmp_path):
+    good = drafter(window=64).with_token_map(torch.tensor(MAP)).save(tmp_path / "good")
+
+    def variant(name: str, token_map=None, size=None) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        cfg = json.loads((good / CONFIG_FILE).read_text())
+        if size is not None:
+            cfg["draft_vocab_size"] = size
+        (d / CONFIG_FILE).write_text(json.dumps(cfg))
+        state = load_file(good / WEIGHTS_FILE)
+        if token_map is not None:
+            state["token_map"] = token_map
+        save_file(state, d / WEIGHTS_FILE)
+        return _error(d), d
+
+    msg, d = variant("range", torch.tensor(MAP[:-1] + [40]))
+    assert f"{d / WEIGHTS_FILE}: tensor token_map has ids out of range [0, 40): [40]" in msg
+    msg, d = variant("negative", torch.tensor([-1] + MAP[1:]))
+    assert str(d / WEIGHTS_FILE) in msg and "out of range" in msg
+    msg, d = variant("dupes", torch.tensor(MAP[:-1] + [3]))
+    assert f"{d / WEIGHTS_FILE}: tensor token_map lists target ids more than once: [3]" in msg
+    msg, d = variant("short", torch.tensor(MAP[:-2]))
+    assert f"{d / WEIGHTS_FILE}: tensor token_map has shape (18,), longspec.json implies (20,)" in msg
+    msg, d = variant("float", torch.tensor(MAP, dtype=torch.float32))
+    assert str(d / WEIGHTS_FILE) in msg and "integer token ids" in msg
+    msg, d = variant("big", size=41)
+    assert f"{d / CONFIG_FILE}: 'draft_vocab_size' must be an integer in [1, vocab_size = 40], got 41" in msg
+    msg, d = variant("zero", size=0)
+    assert str(d / CONFIG_FILE) in msg and "draft_vocab_size" in msg
+    msg, d = variant("full", size=40)  # the whole vocabulary has no map: a stored one is refused
+    assert "unexpected tensors ['token_map']" in msg and str(d / WEIGHTS_FILE) in msg
+    with pytest.raises(ValueError, match="more than once"):
+        drafter().with_token_map([1, 1, 2])
+    with pytest.raises(ValueError, match="draft_vocab_size must be in"):
+        drafter().with_token_map(list(range(41)))
+
+
+@pytest.mark.parametrize("window,widths,tree_size", [(512, [4, 16, 16, 16, 16], 63), (3, [3, 5, 4], 9)])
+def test_the_reduced_beam_is_the_full_beam_with_unmapped_tokens_masked(window, widths, tree_size):
+    """The reduced head's beam (N logits, picks mapped back to target ids) is the full head's beam
+    with every unmapped token's logit at -inf: the same tokens, parents and scores, all mapped."""
+    net, d = target(), drafter(window)
+    r = d.with_token_map(torch.tensor(MAP))
+    head = draft_head(r, net.lm_head.weight, net.lm_head)
+    assert head is not net.lm_head and head.weight.shape == (20, 32)
+    assert draft_head(d, net.lm_head.weight, net.lm_head) is net.lm_head  # full: the target's own, as before
+    outside = torch.ones(40, dtype=torch.bool)
+    outside[MAP] = False
+
+    def masked(h):
+        return net.lm_head(h).masked_fill(outside, float("-inf"))
+
+    last = net.config.num_hidden_layers - 1
+    g = torch.Generator().manual_seed(11)
+    history = torch.randint(0, 40, (15,), generator=g).tolist()
+    cache = prefill(net, history[:-1])
+
+    def ring():
+        return WindowCache(d.num_kv_heads, window, d.head_dim, torch.float64, "cpu")
+
+    got = expand(r, net.model.embed_tokens, head, net.inv_freq, ring(), cache.k[last], cache.v[last], history, 0,
+                 widths, tree_size)
+    want = expand(d, net.model.embed_tokens, masked, net.inv_freq, ring(), cache.k[last], cache.v[last], history, 0,
+                  widths, tree_size)
+    assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+    assert torch.allclose(got.scores, want.scores, atol=1e-9)
+    assert set(got.tokens[0].tolist()) <= set(MAP)
+    unrestricted = expand(d, net.model.embed_tokens, net.lm_head, net.inv_freq, ring(), cache.k[last], cache.v[last],
+                          history, 0, widths, tree_size)
+    assert not set(unrestricted.tokens[0].tolist()) <= set(MAP)  # the map really restricts this beam
+    with pytest.raises(ValueError, match="pass draft_head"):  # a reduced drafter handed the full head
+        expand(r, net.model.embed_tokens, net.lm_head, net.inv_freq, ring(), cache.k[last], cache.v[last], history,
+               0, widths, tree_size)
 
 
 def _error(path, target_cfg=None) -> str:
