@@ -70,7 +70,9 @@ LOOP_FLAGS = {
 
 
 def _print_summary(summary: dict) -> None:
-    keep = {k: summary[k] for k in ("out", "steps", "tokens", "seconds", "tokens_per_second", "train", "val") if k in summary}
+    keys = ("out", "steps", "tokens", "seconds", "tokens_per_second", "train", "val", "draft_vocab",
+            "draft_vocab_coverage")  # the last two: drafters with a reduced draft vocabulary
+    keep = {k: summary[k] for k in keys if k in summary}
     print(json.dumps(keep))
 
 
@@ -215,6 +217,9 @@ def _add_longspec(tsub) -> None:
     p.add_argument("--out", help="drafter checkpoint directory (longspec.json + longspec.safetensors + longgen.toml)")
     p.add_argument("--window", type=int, help="self-attention window in tokens (default 512)")
     p.add_argument("--intermediate-size", type=int, help="MLP width (default: the target's)")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="draft over the N most frequent tokens of the generated data only, through those rows of "
+                        "the target's LM head (default 0: full vocabulary)")
     p.add_argument("--anchors", type=int, help="anchor-offset indices: sink positions kept (default 4)")
     p.add_argument("--max-offset", type=int, help="anchor-offset indices: largest offset (default 30000)")
     p.add_argument("--no-anchor-offset", action="store_true", default=None, help="train at vanilla positions")
@@ -236,7 +241,8 @@ def _run_longspec(args: argparse.Namespace) -> int:
 
     flags = {
         **LOOP_FLAGS, "model": ("model",), "out": ("out",), "window": ("drafter", "window"),
-        "intermediate_size": ("drafter", "intermediate_size"), "anchors": ("anchor_offset", "anchors"),
+        "intermediate_size": ("drafter", "intermediate_size"), "draft_vocab": ("drafter", "draft_vocab"),
+        "anchors": ("anchor_offset", "anchors"),
         "max_offset": ("anchor_offset", "max_offset"), "max_lag": ("noisy", "max_lag"),
         "sequences": ("generation", "sequences"), "val_sequences": ("generation", "val_sequences"),
         "prompt_len": ("generation", "prompt_len"), "gen_temperature": ("generation", "temperature"),

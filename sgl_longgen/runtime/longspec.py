@@ -7,6 +7,9 @@ reading the target cache's last layer at the committed positions ``[0, L)`` only
 ``L`` hold the last verify's rejected nodes, never read), and the trie goes through the target
 over the full KV with the ancestor mask. One draw per node and the walk decide what is
 committed (:func:`~sgl_longgen.core.verify.verify_tree`), so the output is plain decoding's.
+A drafter with a reduced draft vocabulary scores only its mapped tokens, through the target's LM
+head rows gathered once here (:func:`~sgl_longgen.core.longspec.draft_head`); that changes what is
+drafted, never what is committed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..config import GenerateConfig
 from ..core.longspec import (
     LongSpecDrafter,
     WindowCache,
+    draft_head,
     expand,
     target_settings,
     verify_width,
@@ -47,13 +51,14 @@ class LongSpecDecoder(Decoder):
         self.ring = WindowCache(drafter.num_kv_heads, drafter.window, drafter.head_dim, self.model.dtype,
                                   self.model.device)
         self.method = LongSpec(c, self._expand, drafter.window)
+        self.head = draft_head(self.drafter, self.model.lm_head.weight, self.model.lm_head)
         self.slack = verify_width(c.widths, c.tree_size)
 
     def _expand(self, rids, pending, starts):
         (tokens,), (start,) = pending, starts  # batch 1
         c = self.config.longspec
         last = self.model.config.num_hidden_layers - 1
-        return expand(self.drafter, self.model.model.embed_tokens, self.model.lm_head, self.model.inv_freq,
+        return expand(self.drafter, self.model.model.embed_tokens, self.head, self.model.inv_freq,
                       self.ring, self.cache.k[last], self.cache.v[last], tokens, start, c.widths, c.tree_size)
 
     def after_prefill(self) -> None:

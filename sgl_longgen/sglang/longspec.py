@@ -17,7 +17,9 @@ one block forward per level for the whole batch), run by the shared method
   ``sgl_longgen.kernels.prefix_attention``); elsewhere the committed K/V are gathered once per step
   and attended with PyTorch's SDPA (the kernel's twin);
 * the embedding and the LM head are the target's (the first ``vocab_size`` logits: SGLang pads the
-  head's rows).
+  head's rows); a drafter with a reduced draft vocabulary scores only its ``token_map``'s tokens,
+  through those rows of the target's head gathered once when the worker starts (a tensor of its
+  own, which the graphed beam reads at a fixed address), and proposes the mapped target ids.
 
 Lossless whatever the drafter proposes: the trie only decides which tokens the verifier may
 accept; every committed token is drawn by the worker's per-node walk.
@@ -33,12 +35,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core.longspec import Attend, WindowCache, expand_batch, expand_rings, feed_rings, load_drafter
+from ..core.longspec import (
+    Attend,
+    WindowCache,
+    draft_head,
+    expand_batch,
+    expand_rings,
+    feed_rings,
+    load_drafter,
+)
 from ..core.owl import DraftBeam
 from ..errors import LonggenError
 from ..methods import Draft, LongSpec, LongSpecState
 from . import compat
-from .draft_dir import check_longspec_target, inspect_longspec_draft_dir, longspec_target
+from .draft_dir import (
+    check_longspec_target,
+    inspect_longspec_draft_dir,
+    longspec_target,
+)
 from .drafter import Drafter, Shadow
 from .requests import PenaltyDefaults, StepRequest
 
@@ -211,7 +225,7 @@ class GraphedBeam:
         bs = int(args[0].shape[0])
         try:
             out = tuple(t.clone() for t in self.graphed(*args))
-        except Exception as exc:  # noqa: BLE001 - the eager beam still drafts
+        except Exception as exc:
             logger.error("LONGSPEC: capturing the beam as a CUDA graph failed (%s: %s); drafting eagerly",
                          type(exc).__name__, exc, exc_info=exc)
             self.enabled = False
@@ -272,6 +286,8 @@ class LongSpecDrafter(Drafter):
         self.layer_id = last_attention_layer(model)
         self.embedding = model.get_input_embeddings()
         self.lm_head = model.lm_head
+        # A reduced draft vocabulary: its head rows gathered once, here (SGLang pads the head's rows).
+        self._head = draft_head(self.drafter, self.lm_head.weight[: env.vocab_size], self._full_head)
         self.widths = list(c.widths)
         # Trees are cut to what a verify forward holds (lossless: the cut only drops candidates).
         self.tree_size = min(c.tree_size, env.num_nodes - 1)
@@ -379,7 +395,7 @@ class LongSpecDrafter(Drafter):
                                     ring_v, ring_pos, attend, self.widths, self.tree_size)
         return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
+    def _full_head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head.weight[: self.env.vocab_size])  # SGLang pads the head's rows
 
     def observe(self, steps: list[StepRequest], drafts, verdicts) -> None:

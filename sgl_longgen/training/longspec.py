@@ -17,6 +17,14 @@ those K/V, and the frozen LM head scores its next-token prediction (cross-entrop
   ``[1, noisy.max_lag]`` and lets query t see target positions ``<= t - j`` (the first ``j`` rows
   see nothing: a zero cross-attention output), by dropping queries and keys instead of a mask.
   With ``max_lag`` at least the tree depth every lag the beam meets is trained.
+* **Reduced draft vocabulary** (``drafter.draft_vocab`` N, ``--draft-vocab``; 0: the full head).
+  The map is the N most frequent tokens of the generated training sequences (ties to the lower id,
+  written sorted by id; :mod:`.draft_vocab`, shared with ``train owl``), and training runs on the
+  reduced head the drafter drafts with: the frozen LM head's rows at the map, a softmax over those
+  N logits, targets outside the map left out of the cross-entropy (the drafter can never propose
+  them; accuracy still counts them as misses). So the trained objective is exactly the
+  distribution the beam ranks by, and nothing new is trained: the head stays the target's. The
+  summary and ``longspec.json``'s provenance record the share of training tokens the map covers.
 """
 
 from __future__ import annotations
@@ -46,15 +54,23 @@ from . import loop as loop_mod
 from .config import DataConfig, LoopConfig, NonNegInt, OptimConfig, PosInt, to_dict
 from .data import collect_documents, split_documents, tokenize_corpus
 from .device import autocast, describe
+from .draft_vocab import (
+    check_draft_vocab,
+    draft_cross_entropy,
+    frequent_tokens,
+    map_coverage,
+)
 from .lm import full_precision
 from .owl import OwlDataConfig, distilled_sequences
 
 
 class LongSpecShape(Strict):
-    """The block: MLP width (0: the target's) and the self-attention window (tokens, itself included)."""
+    """The block: MLP width (0: the target's), the self-attention window (tokens, itself included)
+    and the draft vocabulary (the N most frequent training tokens; 0: the whole vocabulary)."""
 
     intermediate_size: NonNegInt = 0
     window: PosInt = 512
+    draft_vocab: NonNegInt = 0
 
 
 class AnchorOffsetConfig(Strict):
@@ -153,7 +169,8 @@ def positions_for(cfg: AnchorOffsetConfig | None, B: int, T: int, max_position: 
 
 def longspec_loss(model: Transformer, drafter: LongSpecDrafter, ids: torch.Tensor, positions: torch.Tensor,
                   lag: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean next-token cross-entropy of the drafter over ``ids`` ``[B, T]`` (and top-1 accuracy)."""
+    """Mean next-token cross-entropy of the drafter over ``ids`` ``[B, T]`` (and top-1 accuracy);
+    a reduced drafter's over its mapped tokens (:func:`.draft_vocab.draft_cross_entropy`)."""
     T = ids.shape[1]
     positions = positions.to(ids.device)
     dt = model.model.embed_tokens.weight.dtype
@@ -163,11 +180,11 @@ def longspec_loss(model: Transformer, drafter: LongSpecDrafter, ids: torch.Tenso
         embeds = model.model.embed_tokens(ids)
     mask = window_mask(T, drafter.window, ids.device)
     h, _, _ = drafter(embeds, cos, sin, None, None, mask, k, v, lag=lag, causal=mask is None)
-    logits = full_precision(model.lm_head(h[:, :-1]))
-    target = ids[:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-    with torch.no_grad():
-        acc = (logits.argmax(-1) == target).float().mean()
+    if drafter.reduced:  # the frozen head's mapped rows: what the beam scores with
+        logits = full_precision(F.linear(h[:, :-1], model.lm_head.weight.index_select(0, drafter.token_map)))
+    else:
+        logits = full_precision(model.lm_head(h[:, :-1]))
+    loss, acc = draft_cross_entropy(drafter, logits, ids[:, 1:])
     return loss, {"loss": loss.detach(), "acc": acc}
 
 
@@ -221,6 +238,8 @@ def train_longspec(cfg: LongSpecTrainConfig, resume: bool = False, command: str 
         raise LonggenError(f"prompt length {cfg.generation.prompt_len} + --seq-len {T} exceeds the model's context ({ctx})")
     if T < 2 + cfg.noisy.max_lag:
         raise LonggenError(f"--seq-len {T} is too short for a cross-attention lag of {cfg.noisy.max_lag}")
+    vocab = loaded.config.vocab_size
+    check_draft_vocab(cfg.drafter.draft_vocab, vocab)  # before generating any data
 
     docs = collect_documents(cfg.data)
     train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
@@ -230,11 +249,19 @@ def train_longspec(cfg: LongSpecTrainConfig, resume: bool = False, command: str 
     model = loaded.model
     train_seqs, val_seqs = distilled_sequences(model, model_dir, corpus, cfg, device, cache_dir)
 
-    drafter = LongSpecDrafter.for_target(loaded.config, cfg.drafter.intermediate_size, cfg.drafter.window)
+    n = cfg.drafter.draft_vocab
+    reduced = 0 < n < vocab
+    drafter = LongSpecDrafter.for_target(loaded.config, cfg.drafter.intermediate_size, cfg.drafter.window,
+                                         draft_vocab_size=n if reduced else None)
+    if reduced:
+        drafter.set_token_map(frequent_tokens(train_seqs, vocab, n))
     drafter.reset_parameters(torch.Generator().manual_seed(cfg.loop.seed), final_norm=model.model.norm.weight)
     drafter = drafter.to(device).train()
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(f"LongSpec drafter: window {drafter.window}, MLP {drafter.intermediate_size} "
+    coverage = map_coverage(train_seqs, drafter.token_map, vocab) if reduced else 1.0
+    head = (f"draft vocabulary {n} of {vocab} ({coverage:.1%} of the training tokens)" if reduced
+            else f"full vocabulary ({vocab})")
+    print(f"LongSpec drafter: window {drafter.window}, MLP {drafter.intermediate_size}, {head} "
           f"({n_params / 1e6:.2f}M parameters; embedding and head shared) on {describe(device)}; "
           f"target {model_dir} frozen", file=sys.stderr)
 
@@ -243,7 +270,7 @@ def train_longspec(cfg: LongSpecTrainConfig, resume: bool = False, command: str 
         "trainer": "longspec", "command": command, "base_model": str(cfg.model), "parameters": n_params,
         "device": describe(device), "torch": torch.__version__, "python": platform.python_version(),
         "corpus": corpus.describe(), "sequences": {"train": int(train_seqs.shape[0]), "val": int(val_seqs.shape[0])},
-        "config": to_dict(cfg),
+        "draft_vocab": drafter.draft_vocab_size, "draft_vocab_coverage": round(coverage, 6), "config": to_dict(cfg),
     }
 
     def save(directory: Path, progress: loop_mod.Progress) -> None:

@@ -18,7 +18,8 @@ The drafter is unrolled n steps under teacher forcing from every start k: inputs
 uses the learned null vector instead of ``hS`` (so the same checkpoint works right after a linear
 HOWL step). With ``draft_vocab`` N the drafter's head covers only the N most frequent tokens of
 the generated training sequences (ties to the lower id); targets outside that map are left out of
-the drafter's cross-entropy (the drafter can never propose them). Loss = mean over steps of the
+the drafter's cross-entropy (the drafter can never propose them; :mod:`.draft_vocab`, shared with
+``train longspec``). Loss = mean over steps of the
 cross-entropy, plus ``spec_weight`` times the auxiliary
 cross-entropy of the frozen LM head on ``hS_{k-1}`` against ``x_k`` (Eq. 9 read literally,
 ``spec_target = "next"``) or ``x_{k+1}`` (``"beyond"``). AdamW with warmup + cosine, bf16 autocast
@@ -51,9 +52,23 @@ from ..runtime.checkpoint import load_model
 from ..runtime.embedded import DEFAULTS_FILE, cache_root, resolve_model
 from ..runtime.model import Attention, Transformer
 from . import loop as loop_mod
-from .config import DataConfig, Fraction, LoopConfig, NonNegInt, OptimConfig, PosInt, to_dict
+from .config import (
+    DataConfig,
+    Fraction,
+    LoopConfig,
+    NonNegInt,
+    OptimConfig,
+    PosInt,
+    to_dict,
+)
 from .data import collect_documents, split_documents, tokenize_corpus
 from .device import autocast, describe
+from .draft_vocab import (
+    check_draft_vocab,
+    draft_cross_entropy,
+    frequent_tokens,
+    map_coverage,
+)
 from .forward import _rotate_half, rope_tables
 from .lm import full_precision
 
@@ -217,50 +232,6 @@ def target_states(model: Transformer, ids: torch.Tensor, spec_embedding: torch.T
 
 
 # ----------------------------------------------------------------------------------------------
-# the reduced draft vocabulary
-
-
-def frequent_tokens(sequences: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:
-    """The ``n`` most frequent ids of ``sequences`` (ties to the lower id), in increasing id order.
-
-    Ids that never occur fill the remaining places, lowest first, so the map always has ``n`` ids.
-    """
-    if not 1 <= n <= vocab_size:
-        raise LonggenError(f"the draft vocabulary must have 1 to {vocab_size} tokens, got {n}")
-    counts = torch.bincount(sequences.reshape(-1).long().cpu(), minlength=vocab_size)[:vocab_size]
-    order = torch.argsort(counts, descending=True, stable=True)  # stable: equal counts keep id order
-    return order[:n].sort().values
-
-
-def map_coverage(sequences: torch.Tensor, token_map: torch.Tensor, vocab_size: int) -> float:
-    """Share of the tokens of ``sequences`` that the map covers (the best a reduced head can reach)."""
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
-    inside[token_map.cpu()] = True
-    flat = sequences.reshape(-1).long().cpu()
-    return float(inside[flat].float().mean()) if flat.numel() else 1.0
-
-
-def draft_cross_entropy(drafter: OwlDrafter, logits: torch.Tensor, target: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of the drafter's head over ``target`` (target ids), and top-1 accuracy.
-
-    A reduced head scores draft ids: targets are translated through the map, and targets outside
-    it are ignored (they could never be drafted, so no gradient can teach it to propose them);
-    when none is inside, the loss is 0. Accuracy counts every target, so it is what drafting gets.
-    """
-    logits, target = logits.flatten(0, -2), target.flatten()
-    with torch.no_grad():
-        acc = (drafter.to_target(logits.argmax(-1)) == target).float().mean()
-    if not drafter.reduced:
-        return F.cross_entropy(logits, target), acc
-    index = torch.full((drafter.vocab_size,), -100, dtype=torch.long, device=target.device)
-    index[drafter.token_map] = torch.arange(drafter.draft_vocab_size, device=target.device)
-    draft_target = index[target]
-    total = F.cross_entropy(logits, draft_target, ignore_index=-100, reduction="sum")
-    return total / (draft_target >= 0).sum().clamp(min=1), acc
-
-
-# ----------------------------------------------------------------------------------------------
 # the loss
 
 
@@ -305,11 +276,6 @@ def owl_loss(model: Transformer, drafter: OwlDrafter, ids: torch.Tensor, spec_dr
             metrics["spec_loss"] = spec_ce.detach()
             metrics["spec_acc"] = (logits.argmax(-1) == target).float().mean()
     return loss, {"loss": loss.detach(), **metrics}
-
-
-def check_draft_vocab(draft_vocab: int, vocab_size: int) -> None:
-    if draft_vocab > vocab_size:
-        raise LonggenError(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary ({vocab_size})")
 
 
 def new_drafter(hidden_size: int, vocab_size: int, width: int, n_steps: int, spec: bool, draft_vocab: int,

@@ -1,7 +1,9 @@
 """``sgl-longgen train longspec``: the target K/V the trainer reads are the runtime cache's (at
 vanilla and at anchor-offset positions), a training row with lag 1 is exactly the runtime drafter's
 root step, anchor-offset positions are drawn for short samples only, the loss falls on a fixed
-batch, and a trained checkpoint is what ``generate --method longspec`` loads."""
+batch, and a trained checkpoint is what ``generate --method longspec`` loads. With ``--draft-vocab``
+the loss is the cross-entropy over the mapped tokens only, and the map written is the most frequent
+tokens of the generated data, a valid checkpoint whose greedy output is plain decoding's."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from sgl_longgen.cli import build_parser, main
 from sgl_longgen.commands.generate import resolve_config
@@ -22,6 +25,7 @@ from sgl_longgen.core.longspec import (
 )
 from sgl_longgen.runtime import load_model, resolve_model
 from sgl_longgen.runtime.model import ForwardSpec
+from sgl_longgen.training.draft_vocab import frequent_tokens, map_coverage
 from sgl_longgen.training.longspec import (
     AnchorOffsetConfig,
     last_layer_kv,
@@ -159,3 +163,64 @@ def test_train_longspec_cli_writes_a_checkpoint_generate_loads(capsys, tmp_path,
     code, _, err = _cli(capsys, "generate", "--model", "tiny-qwen2", "--method", "longspec", "--longspec-drafter",
                         str(out), "--max-new-tokens", "4")
     assert code != 0 and "longspec.json" in err  # built for another target: refused at startup
+
+
+def test_the_reduced_loss_is_the_cross_entropy_over_the_mapped_tokens(target):
+    """A reduced drafter trains on what its beam ranks by: the softmax over the mapped rows of the
+    frozen head (the full softmax with every other token at -inf), targets outside the map left out."""
+    m = target.model
+    d = LongSpecDrafter.for_target(target.config, window=8)
+    d.reset_parameters(torch.Generator().manual_seed(1), final_norm=m.model.norm.weight, std=0.3)
+    token_map = torch.arange(0, 258, 2)  # the even ids
+    r = d.with_token_map(token_map).double()
+    d = d.double()
+    ids = torch.randint(0, 258, (2, 20), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(20).expand(2, 20)
+    loss, metrics = longspec_loss(m, r, ids, pos, lag=2)
+    cos, sin = rope_tables(m.inv_freq, pos, torch.float64)
+    k, v = last_layer_kv(m, ids, cos, sin)
+    h, _, _ = d(m.model.embed_tokens(ids), cos, sin, None, None, window_mask(20, 8, "cpu"), k, v, lag=2)
+    logp = torch.log_softmax(m.lm_head(h[:, :-1]).masked_fill(torch.arange(258) % 2 == 1, float("-inf")), dim=-1)
+    target_ids = ids[:, 1:]
+    inside = target_ids % 2 == 0
+    assert 0 < int(inside.sum()) < inside.numel()
+    want = -logp.gather(-1, target_ids[..., None])[..., 0][inside].mean()
+    assert torch.allclose(loss, want, atol=1e-10)
+    assert float(metrics["acc"]) == float((logp.argmax(-1) == target_ids).double().mean())
+    loss.backward()
+    assert all(p.grad is None for p in m.parameters()) and r.mlp.up_proj.weight.grad is not None
+
+
+def test_train_longspec_draft_vocab_writes_a_valid_map(capsys, tmp_path, corpus_dir):
+    out = tmp_path / "reduced"
+    code, stdout, err = _cli(capsys, "train", "longspec", "--model", "tiny-random", "--data", str(corpus_dir),
+                             "--seq-len", "24", "--prompt-len", "16", "--sequences", "8", "--val-sequences", "2",
+                             "--gen-batch-size", "8", "--batch-size", "4", "--max-lag", "3", "--window", "64",
+                             "--draft-vocab", "40", "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
+                             "--steps", "2", "--out", str(out))
+    assert code == 0, err
+    assert "draft vocabulary 40 of 258" in err
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["draft_vocab"] == 40 and 0 < summary["draft_vocab_coverage"] <= 1
+    target = load_model(resolve_model("tiny-random"), "float32")
+    d = load_drafter(out, target_settings(target.config))
+    assert d.reduced and d.draft_vocab_size == 40
+    (data,) = (tmp_path / "cache").glob("owl-data-*.safetensors")  # the generated training sequences
+    train = load_file(data)["train"]
+    assert torch.equal(d.token_map, frequent_tokens(train, 258, 40))  # sorted by id
+    assert summary["draft_vocab_coverage"] == pytest.approx(map_coverage(train, d.token_map, 258), abs=1e-6)
+    info = json.loads((out / "longspec.json").read_text())
+    assert info["draft_vocab_size"] == 40 and info["training"]["config"]["drafter"]["draft_vocab"] == 40
+
+    gen = tmp_path / "gen.jsonl"
+    code, _, err = _cli(capsys, "generate", "--model", "tiny-random", "--method", "longspec", "--longspec-drafter",
+                        str(out), "--max-new-tokens", "24", "--temperature", "0", "--out", str(gen))
+    assert code == 0, err
+    code, _, err = _cli(capsys, "generate", "--model", "tiny-random", "--method", "ar", "--max-new-tokens", "24",
+                        "--temperature", "0", "--out", str(tmp_path / "ar.jsonl"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "ar.jsonl").read_text())["output_ids"] == json.loads(gen.read_text())["output_ids"]
+
+    code, _, err = _cli(capsys, "train", "longspec", "--model", "tiny-random", "--data", str(corpus_dir),
+                        "--draft-vocab", "259", "--out", str(tmp_path / "big"))
+    assert code != 0 and "--draft-vocab 259 exceeds the target's vocabulary (258)" in err
