@@ -8,7 +8,9 @@ rarely gets a token accepted, which would leave deep acceptance and compaction u
 tree cases use a drafter fitted in a second to the target's own greedy continuation of the test
 prompt, and assert that drafts were accepted, ending inside the tree as well as at its leaves.
 Sampled: the emitted tokens follow the exact distribution computed from a micro model, and the
-same harness rejects a verifier that leans toward the draft.
+same harness rejects a verifier that leans toward the draft. A drafter with a reduced draft
+vocabulary (the fitted one, mapped to the most frequent half of the tokens plain decoding emits)
+is still token-identical, proposes mapped ids only, and a bad map is refused naming the file.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import pytest
 import torch
 from helpers import children, fit_longspec
 from runtime_oracle import PROMPT, ar_output, config, model
+from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from sgl_longgen.config import SamplingConfig
-from sgl_longgen.core.longspec import LongSpecDrafter
+from sgl_longgen.core.longspec import WEIGHTS_FILE, LongSpecDrafter, load_drafter
 from sgl_longgen.core.penalty import window_tokens
 from sgl_longgen.core.sampling import LogitsProcessor
 from sgl_longgen.core.verify import Verdict, draw_tree, walk_tree
@@ -36,6 +39,7 @@ from sgl_longgen.runtime import LongSpecDecoder, build_decoder, resolve_model
 from sgl_longgen.runtime.checkpoint import LoadedModel
 from sgl_longgen.runtime.embedded import random_state
 from sgl_longgen.runtime.model import ForwardSpec, ModelConfig, Transformer
+from sgl_longgen.training.draft_vocab import frequent_tokens
 
 torch.set_num_threads(1)
 
@@ -156,6 +160,54 @@ def test_a_drafter_for_another_model_is_one_clear_error():
     wrong = LongSpecDrafter.for_target(model("tiny-qwen2").config)
     with pytest.raises(LonggenError, match="built for hidden_size"):
         LongSpecDecoder(lm, config("longspec"), wrong)
+
+
+# ------------------------------------------------------------------------------------------------
+# a reduced draft vocabulary
+
+
+def reduced(name: str, setting: int) -> tuple[Path, list[int]]:
+    """The fitted drafter with a map of the most frequent half of the distinct tokens plain decoding
+    emits here: the output then holds tokens the drafter can never propose."""
+    out = torch.tensor(ar_output(name, *SETTINGS[name][setting], NEW_TOKENS))
+    token_map = frequent_tokens(out, model(name).config.vocab_size, out.unique().numel() // 2)
+    drafter = load_drafter(fitted(name)).with_token_map(token_map)
+    return drafter.save(Path(_TMP.name) / f"{name}-{setting}-reduced"), token_map.tolist()
+
+
+@pytest.mark.parametrize("name,setting", [("tiny-random", 0), ("tiny-qwen2", 1)])
+def test_greedy_longspec_with_a_reduced_draft_vocabulary_equals_plain_decoding(name, setting):
+    penalty, pw = SETTINGS[name][setting]
+    path, token_map = reduced(name, setting)
+    cfg = config("longspec", sampling__penalty=penalty, sampling__penalty_window=pw)
+    decoder = build_decoder(model(name), cfg, longspec_dir=path)
+    assert decoder.drafter.reduced and decoder.head.weight.shape[0] == len(token_map)  # the gathered rows
+    proposed: list[int] = []
+    expand = decoder.method.expand
+
+    def recording(*args):
+        beam = expand(*args)
+        proposed.extend(beam.tokens.reshape(-1).tolist())
+        return beam
+
+    decoder.method.expand = recording
+    result = decoder.generate(PROMPT, NEW_TOKENS)
+    want = ar_output(name, penalty, pw, NEW_TOKENS)
+    assert tuple(result.output_ids) == want
+    assert set(want) - set(token_map)  # the output holds tokens the drafter could not draft ...
+    assert proposed and set(proposed) <= set(token_map)  # ... and it proposed mapped ids only
+    assert result.stats.accepted > 0 and result.accept_length > 1.5  # it speculates
+
+
+def test_a_bad_token_map_is_one_clear_error(tmp_path):
+    path, token_map = reduced("tiny-random", 0)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "longspec.json").write_bytes((path / "longspec.json").read_bytes())
+    state = load_file(path / WEIGHTS_FILE)
+    save_file({**state, "token_map": torch.tensor([token_map[0]] + token_map[:-1])}, bad / WEIGHTS_FILE)
+    with pytest.raises(LonggenError, match=rf"{bad / WEIGHTS_FILE}: tensor token_map lists target ids more than once"):
+        build_decoder(model("tiny-random"), config("longspec"), longspec_dir=bad)
 
 
 # ------------------------------------------------------------------------------------------------
