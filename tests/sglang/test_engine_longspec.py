@@ -7,7 +7,9 @@ really accepted (deep into the beam), so the commit of multi-token paths is exer
 the engines, the pieces that meet SGLang are checked against the reference runtime's: the
 batched beam against the per-request one, the cross-attention reading the target's K/V through
 a slot row of a paged pool (and the Triton kernel against its PyTorch twin), the queries' RoPE
-taken from SGLang's rotary module against the runtime's (Llama-3.1 scaling).
+taken from SGLang's rotary module against the runtime's (Llama-3.1 scaling). A third engine runs
+the fitted drafter with a reduced draft vocabulary (the most frequent half of the tokens the target
+emits here), still token-identical; bad token maps are refused at startup naming the file.
 """
 
 from __future__ import annotations
@@ -21,21 +23,24 @@ import textwrap
 
 import pytest
 import torch
-
 from helpers import fit_longspec
+from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop
+
 from sgl_longgen.core.longspec import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     LongSpecDrafter,
     WindowCache,
+    draft_head,
     expand,
     expand_batch,
+    load_drafter,
     rope_tables,
 )
 from sgl_longgen.runtime import load_model, resolve_model
 from sgl_longgen.runtime.model import ForwardSpec
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
-from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop
+from sgl_longgen.training.draft_vocab import frequent_tokens
 
 NEW_TOKENS = 128
 PENALTY = {"penalty": 1.3, "penalty_window": 32}
@@ -71,6 +76,13 @@ def sequences(plain_engine) -> torch.Tensor:
 def fitted_dir(sequences, tmp_path_factory):
     target = load_model(model_path(), "float64").model
     return fit_longspec(target, sequences, FIT_STEPS).save(tmp_path_factory.mktemp("longspec") / "fitted")
+
+
+@pytest.fixture(scope="module")
+def reduced_dir(fitted_dir, sequences, tmp_path_factory):
+    """The fitted drafter over the most frequent half of the distinct tokens of the test sequences."""
+    token_map = frequent_tokens(sequences, 258, sequences.unique().numel() // 2)
+    return load_drafter(fitted_dir).with_token_map(token_map).save(tmp_path_factory.mktemp("longspec") / "reduced")
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +144,23 @@ def test_fitted_drafter_concurrent_requests(plain_engine, fitted_engine):
     assert max(m["spec_accept_length"] for m in metas) > 1.5
 
 
+def test_a_reduced_draft_vocabulary_is_identical(plain_engine, reduced_dir):
+    """The worker drafts over the mapped rows of the target's head (eager beam here; the graphed
+    beam reads the same gathered tensor): plain decoding's output, tokens outside the map
+    included, and drafts still accepted."""
+    engine = start(reduced_dir)
+    try:
+        metas = identical(plain_engine, engine, PROMPTS, NEW_TOKENS)
+        assert min(m["spec_accept_length"] for m in metas) > 1.2, metas
+        identical(plain_engine, engine, PROMPTS, NEW_TOKENS, custom_params=PENALTY)
+        identical(plain_engine, engine, CONCURRENT, 64)
+        outs = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+        mapped = set(load_drafter(reduced_dir).token_map.tolist())
+        assert any(set(o["output_ids"]) - mapped for o in outs)  # tokens it can never draft
+    finally:
+        stop(engine)
+
+
 def test_sampled_longspec_completes(random_engine):
     params = [{"max_new_tokens": 64, "temperature": 0.9, "top_p": 0.95, "ignore_eos": True, "sampling_seed": s}
               for s in range(len(PROMPTS))]
@@ -145,7 +174,7 @@ def test_drafter_memory_does_not_grow_with_the_context(plain_engine, random_engi
     window, kv_heads, head_dim = 512, 2, 16  # the drafter's and tiny-random's
     seen = {}
     for length in (40, 1500):
-        prompt = ([256] + list(range(0, 250))) * (length // 251 + 1)
+        prompt = ([256] + list(range(250))) * (length // 251 + 1)
         meta, = identical(plain_engine, random_engine, [prompt[:length]], 16, custom_params={"longgen_timing": "host"})
         notes = {k: [x for x in meta[f"longgen_longspec_{k}"] if x is not None] for k in ("ring_bytes", "ring_tokens",
                                                                                          "cross_tokens")}
@@ -175,6 +204,27 @@ def test_missing_files_are_named(tmp_path):
         start(tmp_path / "nope")
     with pytest.raises(ValueError, match=r"LONGSPEC needs --speculative-draft-model-path"):
         start(None)
+
+
+def test_bad_token_maps_are_refused_naming_the_file(tmp_path, reduced_dir):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(reduced_dir / WEIGHTS_FILE)
+    good = state["token_map"].tolist()
+    cfg = json.loads((reduced_dir / CONFIG_FILE).read_text())
+    for name, token_map, size, message in [
+        ("range", good[:-1] + [258], None, r"tensor token_map has ids out of range \[0, 258\): \[258\]"),
+        ("dupes", [good[1]] + good[1:], None, r"tensor token_map lists target ids more than once"),
+        ("short", good[:-1], None, rf"tensor token_map has shape \({len(good) - 1},\), longspec\.json implies"),
+        ("big", good, 259, r"'draft_vocab_size' must be an integer in \[1, vocab_size = 258\], got 259"),
+    ]:
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / CONFIG_FILE).write_text(json.dumps({**cfg, **({"draft_vocab_size": size} if size else {})}))
+        save_file({**state, "token_map": torch.tensor(token_map)}, bad / WEIGHTS_FILE)
+        where = bad / (CONFIG_FILE if size else WEIGHTS_FILE)
+        with pytest.raises(ValueError, match=rf"LONGSPEC: {where}: {message}"):
+            start(bad)
 
 
 def test_a_drafter_for_another_target_is_refused(tmp_path):
@@ -239,9 +289,11 @@ def _history(n: int, seed: int) -> list[int]:
     return torch.randint(0, 258, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_the_batched_beam_over_a_paged_pool_is_the_reference_beam():
+@pytest.mark.parametrize("draft_vocab", [None, 100])
+def test_the_batched_beam_over_a_paged_pool_is_the_reference_beam(draft_vocab):
     """Requests of different lengths, their target K/V at scattered pool slots (rejected verify
-    nodes' garbage next to them): the SGLang path's beam is the reference runtime's, per request."""
+    nodes' garbage next to them): the SGLang path's beam is the reference runtime's, per request;
+    with a reduced draft vocabulary too (each through its head of gathered rows, mapped ids only)."""
     from sgl_longgen.sglang.longspec import committed_attention
 
     lm = load_model(model_path(), "float64")
@@ -249,6 +301,11 @@ def test_the_batched_beam_over_a_paged_pool_is_the_reference_beam():
     d = LongSpecDrafter.for_target(lm.config, window=8)
     d.reset_parameters(torch.Generator().manual_seed(1), final_norm=net.model.norm.weight, std=0.5)
     d = d.double().eval().requires_grad_(False)
+    if draft_vocab:
+        d = d.with_token_map(torch.randperm(258, generator=torch.Generator().manual_seed(9))[:draft_vocab])
+    # each runtime gathers its own rows (SGLang's from its possibly padded head: the first vocab_size rows)
+    sglang_head = draft_head(d, net.lm_head.weight[:258], net.lm_head)
+    runtime_head = draft_head(d, net.lm_head.weight, net.lm_head)
     last = lm.config.num_hidden_layers - 1
     histories = [_history(n, seed) for n, seed in ((30, 0), (9, 1), (17, 2))]
     g = torch.Generator().manual_seed(3)
@@ -265,15 +322,17 @@ def test_the_batched_beam_over_a_paged_pool_is_the_reference_beam():
         rows.append(row.to(torch.int32))
         caches.append(cache)
         offset += len(h) + 6  # room for a verify window between requests
-    rope = lambda p: rope_tables(net.inv_freq, p, torch.float64)  # noqa: E731
+    rope = lambda p: rope_tables(net.inv_freq, p, torch.float64)
     widths, tree_size = [4, 8, 8], 14
     rings = [WindowCache(2, 8, 16, torch.float64, "cpu") for _ in histories]
     attend = committed_attention(k_pool, v_pool, rows, d.cross_attn.scale, kernel=False)
-    beam = expand_batch(d, net.model.embed_tokens, net.lm_head, rope, rings, attend, histories, [0, 0, 0], widths,
+    beam = expand_batch(d, net.model.embed_tokens, sglang_head, rope, rings, attend, histories, [0, 0, 0], widths,
                         tree_size)
+    if draft_vocab:
+        assert set(beam.tokens.reshape(-1).tolist()) <= set(d.token_map.tolist())
     for b, (h, cache) in enumerate(zip(histories, caches)):
         ring = WindowCache(2, 8, 16, torch.float64, "cpu")
-        want = expand(d, net.model.embed_tokens, net.lm_head, net.inv_freq, ring, cache.k[last], cache.v[last], h, 0,
+        want = expand(d, net.model.embed_tokens, runtime_head, net.inv_freq, ring, cache.k[last], cache.v[last], h, 0,
                       widths, tree_size)
         assert beam.tokens[b].tolist() == want.tokens[0].tolist()
         assert beam.parents[b].tolist() == want.parents[0].tolist()
@@ -281,7 +340,7 @@ def test_the_batched_beam_over_a_paged_pool_is_the_reference_beam():
         assert torch.equal(rings[b].pos, ring.pos) and torch.allclose(rings[b].k, ring.k, atol=1e-12)
     # A committed slot moved is seen (the rows, not the pool's order, decide what is read).
     k_pool[rows[0][3]] += 5.0
-    moved = expand_batch(d, net.model.embed_tokens, net.lm_head, rope,
+    moved = expand_batch(d, net.model.embed_tokens, sglang_head, rope,
                          [WindowCache(2, 8, 16, torch.float64, "cpu") for _ in histories],
                          committed_attention(k_pool, v_pool, rows, d.cross_attn.scale, kernel=False), histories,
                          [0, 0, 0], widths, tree_size)
@@ -352,7 +411,8 @@ def test_the_prefix_kernel_path_is_its_torch_twin():
         print("OK", err)
     """)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # the interpreter's products go through numpy
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=600,
+                         env=env)
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
