@@ -26,7 +26,8 @@ the peer), ``--algorithms`` in turn:
    ``[4, 16, 16, 16, 16]`` cut to 63 nodes, window 512) of an 8B-shaped drafter block for
    ``--longspec-batch`` requests at each ``--contexts`` length, its cross-attention through the
    Triton prefix kernel (what the worker runs on a GPU) and through its PyTorch twin, next to the
-   plain decode step at that context.
+   plain decode step at that context; with the full head and with a reduced draft vocabulary
+   (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only).
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
@@ -34,7 +35,7 @@ the peer), ``--algorithms`` in turn:
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --step-detail 128 --detail-modes host
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --owl-width 4096 2048 1024
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms LONGSPEC
-    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json
+    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-draft-vocab 32768
 """
 
 from __future__ import annotations
@@ -281,13 +282,16 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> 
 
 
 def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, config: dict = LLAMA_8B,
-                        device: str = "cuda") -> dict:
+                        device: str = "cuda", draft_vocab: int = 0) -> dict:
     """Median time (CUDA events, L2 flushed) of one full LongSpec beam expansion for an 8B-shaped
     target, ``batch`` requests at each context length: a steady step (the ring already holds the
     window; the last committed token and the root are fed), its cross-attention reading the
     context's K/V from a paged pool through the Triton prefix kernel, eagerly and replayed as the
     worker's CUDA graph (``beam_graph_ms``: the ring feed eager, the beam one replay), and through
-    the gather + SDPA twin. Random weights: the tree's shape, not its tokens, sets the cost."""
+    the gather + SDPA twin. Random weights: the tree's shape, not its tokens, sets the cost.
+    ``draft_vocab`` N (0 < N < vocabulary): the same block again with a reduced draft vocabulary,
+    its head the target's rows at a random map of N tokens (the cost does not depend on which),
+    gathered once as the worker does: the same figures prefixed ``reduced_``."""
     import msgspec
     import torch
 
@@ -295,14 +299,10 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         DEFAULT_WIDTHS,
         LongSpecDrafter,
         WindowCache,
-        expand_batch,
-        expand_rings,
-        feed_rings,
+        draft_head,
         rope_tables,
     )
     from ..runtime.model import ModelConfig, rope_inv_freq
-    from ..sglang.longspec import GraphedBeam, committed_attention, kernel_attention, slot_lists
-    from .kernels import time_us
 
     dev, dt = torch.device(device), torch.bfloat16
     cfg = msgspec.convert(config, ModelConfig)
@@ -318,61 +318,88 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     slots = max(contexts) * batch + 64
     k_buffer = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
     v_buffer = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
-    out: dict = {"batch": batch, "window": window, "widths": list(DEFAULT_WIDTHS), "tree_size": 63}
+    reduced = 0 < draft_vocab < vocab
+    out: dict = {"batch": batch, "window": window, "widths": list(DEFAULT_WIDTHS), "tree_size": 63,
+                 "vocab": vocab, "draft_vocab": draft_vocab if reduced else vocab}
 
     def rope(positions):
         return rope_tables(inv_freq, positions, torch.float32)
 
-    def head(h):
+    def full_head(h):
         return torch.nn.functional.linear(h, head_weight)
 
+    variants = {"": (drafter, full_head)}  # key prefix -> (drafter, its head)
+    if reduced:
+        token_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+        small = drafter.with_token_map(token_map.to(dev))
+        variants["reduced_"] = (small, draft_head(small, head_weight, full_head))
     for L in contexts:
         rows = [torch.randperm(slots, device=dev)[:L].to(torch.int32) for _ in range(batch)]
-        rings = [WindowCache(kv_heads, window, head_dim, dt, dev) for _ in range(batch)]
         tokens = torch.randint(0, vocab, (L + 1,), generator=gen).tolist()
         row: dict = {}
-        with torch.no_grad():
-            # The first step of a request feeds the window; the timed ones, two tokens each.
-            first = tokens[-min(window, L + 1):]
-            expand_batch(drafter, embed, head, rope, rings,
-                         committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, False),
-                         [first] * batch, [L + 1 - len(first)] * batch)
-            for name, kernel in (("triton", True), ("torch", False)):
-                def step(kernel=kernel):
-                    attend = committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, kernel)
-                    return expand_batch(drafter, embed, head, rope, rings, attend, [tokens[-2:]] * batch,
-                                        [L - 1] * batch)
-                try:
-                    step()
-                    row[f"beam_{name}_ms"] = round(time_us(step) / 1e3, 3)
-                except Exception as exc:  # report, do not lose the other numbers
-                    row[f"beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            if dev.type == "cuda":  # the Triton kernel and the graph need a GPU
-                graph_slots = slot_lists(rows, dev, capacity=batch * max(contexts))
-
-                def body(roots, lengths, ring_k, ring_v, ring_pos, kv_indptr, kv_indices):
-                    attend = kernel_attention(k_buffer, v_buffer, kv_indptr, kv_indices, drafter.cross_attn.scale)
-                    beam, broken = expand_rings(drafter, embed, head, rope, roots, lengths, ring_k, ring_v, ring_pos,
-                                                attend)
-                    return beam.tokens, beam.parents, beam.depths, beam.scores, broken
-
-                graphed = GraphedBeam(body)
-
-                def graph_step():
-                    roots, lengths = feed_rings(drafter, embed, rope, rings, [tokens[-2:]] * batch, [L - 1] * batch)
-                    stacked = (torch.stack([r.k for r in rings]), torch.stack([r.v for r in rings]),
-                               torch.stack([r.pos for r in rings]))
-                    return graphed(roots, lengths, *stacked, *graph_slots)
-
-                try:
-                    graph_step()
-                    row["beam_graph_ms"] = round(time_us(graph_step) / 1e3, 3)
-                    row["beam_graph_used"] = graphed.enabled
-                except Exception as exc:  # report, do not lose the other numbers
-                    row["beam_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        for prefix, (drafter, head) in variants.items():
+            rings = [WindowCache(kv_heads, window, head_dim, dt, dev) for _ in range(batch)]
+            _time_beams(row, prefix, drafter, embed, head, rope, rings, rows, tokens, L, batch, window,
+                        (k_buffer, v_buffer), max(contexts), dev)
         out[str(L)] = row
-        del rows, rings
+        del rows
     return out
+
+
+def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rings, rows, tokens: list[int], L: int,
+                batch: int, window: int, buffers, max_context: int, dev) -> None:
+    """One drafter's (and head's) figures at one context into ``row``, keys prefixed ``prefix``."""
+    import torch
+
+    from ..core.longspec import expand_batch, expand_rings, feed_rings
+    from ..sglang.longspec import (
+        GraphedBeam,
+        committed_attention,
+        kernel_attention,
+        slot_lists,
+    )
+    from .kernels import time_us
+
+    k_buffer, v_buffer = buffers
+    with torch.no_grad():
+        # The first step of a request feeds the window; the timed ones, two tokens each.
+        first = tokens[-min(window, L + 1):]
+        expand_batch(drafter, embed, head, rope, rings,
+                     committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, False),
+                     [first] * batch, [L + 1 - len(first)] * batch)
+        for name, kernel in (("triton", True), ("torch", False)):
+            def step(kernel=kernel):
+                attend = committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, kernel)
+                return expand_batch(drafter, embed, head, rope, rings, attend, [tokens[-2:]] * batch,
+                                    [L - 1] * batch)
+            try:
+                step()
+                row[f"{prefix}beam_{name}_ms"] = round(time_us(step) / 1e3, 3)
+            except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
+                row[f"{prefix}beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if dev.type == "cuda":  # the Triton kernel and the graph need a GPU
+            graph_slots = slot_lists(rows, dev, capacity=batch * max_context)
+
+            def body(roots, lengths, ring_k, ring_v, ring_pos, kv_indptr, kv_indices):
+                attend = kernel_attention(k_buffer, v_buffer, kv_indptr, kv_indices, drafter.cross_attn.scale)
+                beam, broken = expand_rings(drafter, embed, head, rope, roots, lengths, ring_k, ring_v, ring_pos,
+                                            attend)
+                return beam.tokens, beam.parents, beam.depths, beam.scores, broken
+
+            graphed = GraphedBeam(body)
+
+            def graph_step():
+                roots, lengths = feed_rings(drafter, embed, rope, rings, [tokens[-2:]] * batch, [L - 1] * batch)
+                stacked = (torch.stack([r.k for r in rings]), torch.stack([r.v for r in rings]),
+                           torch.stack([r.pos for r in rings]))
+                return graphed(roots, lengths, *stacked, *graph_slots)
+
+            try:
+                graph_step()
+                row[f"{prefix}beam_graph_ms"] = round(time_us(graph_step) / 1e3, 3)
+                row[f"{prefix}beam_graph_used"] = graphed.enabled
+            except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
+                row[f"{prefix}beam_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
 def host_profile_summary(path: Path, top: int = 30) -> dict:
@@ -580,20 +607,21 @@ def phase_owl(args, report: dict) -> None:
 
 
 def phase_longspec(args, report: dict) -> None:
-    r = longspec_drafter_ms(args.contexts, args.longspec_batch)
+    r = longspec_drafter_ms(args.contexts, args.longspec_batch, draft_vocab=args.longspec_draft_vocab)
     for L in args.contexts:
         ar_ms = report.get("ar_step_ms", {}).get(str(L), float("nan"))
         row = r[str(L)]
         row["ar_step_ms"] = round(ar_ms, 3)
-        for name in ("triton", "torch"):
-            if f"beam_{name}_ms" in row:
-                row[f"beam_{name}_vs_ar"] = round(row[f"beam_{name}_ms"] / ar_ms, 3)
-        print(f"LongSpec drafter ({args.longspec_batch} request(s), beam [4,16,16,16,16] cut to 63, window 512) at "
-              f"{L}: {row}", flush=True)
+        for key in [k for k in row if k.endswith("_ms") and k != "ar_step_ms"]:
+            row[f"{key[:-3]}_vs_ar"] = round(row[key] / ar_ms, 3)
+        head = (f"full head {r['vocab']} and reduced_ {r['draft_vocab']} rows" if r["draft_vocab"] < r["vocab"]
+                else f"full head {r['vocab']}")
+        print(f"LongSpec drafter ({args.longspec_batch} request(s), beam [4,16,16,16,16] cut to 63, window 512, "
+              f"{head}) at {L}: {row}", flush=True)
     report["longspec_drafter"] = r
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("tokenswift_gpu_check.json"))
     p.add_argument("--phase", choices=("all", "plain", "spec", "owl", "longspec"), default="all",
@@ -634,7 +662,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--owl-compile", action="store_true", help="also time the torch.compile'd beam")
     p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")
     p.add_argument("--longspec-batch", type=int, default=1, help="requests of the LongSpec beam timing (--phase longspec)")
+    p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
+                   help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
+                        "token map (0: the full head only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
+    if args.longspec_draft_vocab < 0:
+        p.error(f"--longspec-draft-vocab must be 0 or more, got {args.longspec_draft_vocab}")
 
     rng = random.Random(0)
     root = Path(tempfile.mkdtemp(prefix="longgen_gpu_check_"))

@@ -447,5 +447,19 @@ def test_gpu_check_times_the_beam(monkeypatch):
 
     monkeypatch.setattr(bench_kernels, "time_us", wall_us)
     cfg = json.loads((model_path() / "config.json").read_text())
-    out = longspec_drafter_ms([100, 700], batch=2, config=cfg, device="cpu")
+    out = longspec_drafter_ms([100, 700], batch=2, config=cfg, device="cpu", draft_vocab=100)
     assert all(out[str(L)]["beam_torch_ms"] > 0 for L in (100, 700))
+    # next to the full head, the same beam over a reduced draft vocabulary of 100 rows
+    assert (out["vocab"], out["draft_vocab"]) == (258, 100)
+    assert all(out[str(L)]["reduced_beam_torch_ms"] > 0 for L in (100, 700))
+    assert "reduced_beam_torch_ms" not in longspec_drafter_ms([100], config=cfg, device="cpu")["100"]
+
+
+def test_gpu_check_parses_the_longspec_draft_vocabulary():
+    from sgl_longgen.bench.gpu_check import main, parser
+
+    assert parser().parse_args(["--phase", "longspec"]).longspec_draft_vocab == 32768
+    args = parser().parse_args(["--phase", "longspec", "--longspec-draft-vocab", "0", "--longspec-batch", "2"])
+    assert (args.longspec_draft_vocab, args.longspec_batch) == (0, 2)
+    with pytest.raises(SystemExit):
+        main(["--phase", "longspec", "--longspec-draft-vocab", "-1"])
