@@ -17,9 +17,8 @@ from pathlib import Path
 from ..config import GenerateConfig, convert, load_toml
 from ..core.heads import check_heads
 from ..core.longspec import check_drafter as check_longspec_drafter
-from ..core.longspec import check_target
+from ..core.longspec import check_target, rope_settings
 from ..core.longspec import read_drafter_config as read_longspec_config
-from ..core.longspec import rope_settings
 from ..core.owl import check_drafter
 from ..errors import LonggenError
 
@@ -100,7 +99,9 @@ def check_longspec_target(path: Path, checkpoint: dict, target: dict) -> None:
 
 def inspect_longspec_draft_dir(path: str | Path | None, model_path: str | Path) -> DraftDir:
     """LONGSPEC: a drafter block for the target's shape and RoPE (checked against its config.json
-    where the model is a local directory; the worker checks SGLang's parsed config again)."""
+    where the model is a local directory; the worker checks SGLang's parsed config again) and, with
+    a reduced draft vocabulary, its ``token_map`` (N distinct ids inside the vocabulary, N as
+    ``draft_vocab_size`` says: :func:`sgl_longgen.core.longspec.check_drafter`)."""
     path = _require(path, "LONGSPEC", "longspec.json and longspec.safetensors")
     target = target_config(model_path)
     if target:  # first: a drafter for another model is named as such, not by a tensor shape
