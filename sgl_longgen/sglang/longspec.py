@@ -225,7 +225,7 @@ class GraphedBeam:
         bs = int(args[0].shape[0])
         try:
             out = tuple(t.clone() for t in self.graphed(*args))
-        except Exception as exc:
+        except Exception as exc:  # the eager beam still drafts
             logger.error("LONGSPEC: capturing the beam as a CUDA graph failed (%s: %s); drafting eagerly",
                          type(exc).__name__, exc, exc_info=exc)
             self.enabled = False
