@@ -31,8 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .. import env
@@ -89,8 +89,9 @@ def proxy_engine_kwargs(model_dir: Path, on_cpu: bool, context: int, dtype: str 
     of the SGLang engine tests (float32, the ``longgen_torch`` backend, no CUDA graphs); the static
     memory share is only a check there (the token budget caps the KV pool), kept well above what
     the weights take so that another process's allocations during the start cannot fail it."""
-    kw: dict[str, Any] = dict(model_path=str(model_dir), skip_tokenizer_init=True, enable_custom_logit_processor=True,
-                              random_seed=seed, context_length=context, max_running_requests=8, log_level="error")
+    kw: dict[str, Any] = {"model_path": str(model_dir), "skip_tokenizer_init": True,
+                          "enable_custom_logit_processor": True, "random_seed": seed, "context_length": context,
+                          "max_running_requests": 8, "log_level": "error"}
     if on_cpu:
         kw.update(device="cpu", dtype=dtype or "float32", attention_backend="longgen_torch", disable_cuda_graph=True,
                   disable_overlap_schedule=True, mem_fraction_static=0.2, max_total_tokens=max(16384, 2 * context))
@@ -305,10 +306,10 @@ def dummy_engine_kwargs(model: Path, context: int, batches: list[int]) -> dict[s
     """``sgl.Engine`` arguments for a dummy-weights 8B-class model, as gpu_check and
     adaptive_check start theirs; CUDA graphs only for the measured batch sizes (a start captures
     one graph per size, and each engine here starts once per method and shape)."""
-    return dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True, mem_fraction_static=0.8,
-                context_length=max(context + 4096, 8192), log_level="warning", random_seed=0,
-                chunked_prefill_size=16384, max_running_requests=max(4, max(batches)),
-                cuda_graph_bs_decode=sorted(set(batches)), cuda_graph_backend_prefill="disabled")
+    return {"model_path": str(model), "load_format": "dummy", "skip_tokenizer_init": True, "mem_fraction_static": 0.8,
+            "context_length": max(context + 4096, 8192), "log_level": "warning", "random_seed": 0,
+            "chunked_prefill_size": 16384, "max_running_requests": max(4, max(batches)),
+            "cuda_graph_bs_decode": sorted(set(batches)), "cuda_graph_backend_prefill": "disabled"}
 
 
 def dummy_drafts(root: Path, name: str, config: dict, methods: list[str]) -> tuple[Path, dict[str, Path | None]]:

@@ -63,13 +63,13 @@ LLAMA_8B = dict(
 
 # Qwen2.5-7B's shape: the other 8B-class architecture the runtimes serve (Qwen2: q/k/v biases, 28
 # query heads on 4 KV heads, a 152K vocabulary); no sliding window, so every layer verifies alike.
-QWEN_7B = dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
-    intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-    max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0, torch_dtype="bfloat16",
-    use_sliding_window=False, sliding_window=131072, max_window_layers=28,
-    bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=False, hidden_act="silu",
-)
+QWEN_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 28,
+    "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False, "hidden_act": "silu",
+}
 
 SHAPES = {"llama8b": LLAMA_8B, "qwen7b": QWEN_7B}
 

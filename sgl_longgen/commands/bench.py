@@ -336,8 +336,8 @@ def intro(result: dict) -> str:
 
 
 def acceptance_table(rows: list[dict]) -> list[str]:
-    lines = ["| setting | method | tokens | tau | alpha | Distinct-1 | Distinct-2 | Distinct-3 | Distinct-4 "
-             "| tok/s | speedup | identical to plain |",
+    lines = [("| setting | method | tokens | tau | alpha | Distinct-1 | Distinct-2 | Distinct-3 | Distinct-4 "
+              "| tok/s | speedup | identical to plain |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = {}
     for r in rows:
@@ -357,8 +357,9 @@ def step_cost_tables(result: dict) -> list[str]:
         return []
     lines = ["", "## Step costs in sgl.Engine (measured, dummy weights)", "",
              f"{costs['note']}", "",
-             "| shape | method | context | batch | greedy ms/step | greedy tau | greedy ms/token "
-             f"({engine_bench.GREEDY_BOUND}) | sampled ms/step | sampled tau | sampled ms/token ({engine_bench.SAMPLED_BOUND}) |",
+             ("| shape | method | context | batch | greedy ms/step | greedy tau | greedy ms/token "
+              f"({engine_bench.GREEDY_BOUND}) | sampled ms/step | sampled tau "
+              f"| sampled ms/token ({engine_bench.SAMPLED_BOUND}) |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in costs["measured"]:
         if "error" in r:
@@ -370,8 +371,8 @@ def step_cost_tables(result: dict) -> list[str]:
                      f"| {_f(r.get('sampled_tau'), '.2f')} | {_f(r.get('sampled_ms_per_token'), '.3f')} |")
     lines += ["", "## Projected ms/token (measured step cost / proxy tau)", "",
               f"*Projected*, not measured: {costs['projection_note']}", "",
-              "| shape | method | context | batch | setting | proxy tau | step ms (measured) | ms/token (projected) "
-              "| speedup over plain (projected) |",
+              ("| shape | method | context | batch | setting | proxy tau | step ms (measured) | ms/token (projected) "
+               "| speedup over plain (projected) |"),
               "|---|---|---|---|---|---|---|---|---|"]
     for r in costs["projected"]:
         lines.append(f"| {r['shape']} | {r['method']} | {r['context']} | {r['batch']} | {r['setting']} "

@@ -163,3 +163,17 @@ def test_projection_divides_measured_step_cost_by_proxy_tau(tmp_path):
     assert "ms/token (projected)" in md and f"| llama8b | tokenswift | 4096 | 1 | {GREEDY} | 6.00 | 12.00 | 2.000 |" in md
     bench.plot(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_bench_imports_without_sglang():
+    """The command and its engine module import SGLang only when an engine starts."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, sgl_longgen.commands.bench, sgl_longgen.bench.engine_bench; "
+            "assert 'sglang' not in sys.modules, 'imported sglang'; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
