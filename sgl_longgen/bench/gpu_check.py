@@ -62,20 +62,35 @@ LLAMA_8B = dict(
     bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, hidden_act="silu",
 )
 
+# Qwen2.5-7B's shape: the other 8B-class architecture the runtimes serve (Qwen2: q/k/v biases, 28
+# query heads on 4 KV heads, a 152K vocabulary); no sliding window, so every layer verifies alike.
+QWEN_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 28,
+    "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+
+SHAPES = {"llama8b": LLAMA_8B, "qwen7b": QWEN_7B}
+
 
 ALGORITHMS = ("TOKENSWIFT", "OWL", "HOWL", "LONGSPEC", "NGRAM")
 
 
-def make_checkpoints(root: Path, budget: int, policy: str = "tokenswift") -> tuple[Path, Path]:
+def make_checkpoints(root: Path, budget: int, policy: str = "tokenswift", config: dict = LLAMA_8B,
+                     name: str = "llama8b") -> tuple[Path, Path]:
+    """A dummy-weights model directory of ``config``'s shape (``root/name``: SGLang loads it with
+    ``load_format="dummy"``) and random TokenSwift heads for it (``root/name-heads``)."""
     import torch
 
     from ..core.heads import TokenSwiftHeads
 
-    model = root / "llama8b"
+    model = root / name
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(LLAMA_8B))
-    heads_dir = root / "heads"
-    heads = TokenSwiftHeads(LLAMA_8B["hidden_size"], 3, LLAMA_8B["rms_norm_eps"])
+    (model / "config.json").write_text(json.dumps(config))
+    heads_dir = root / ("heads" if name == "llama8b" else f"{name}-heads")
+    heads = TokenSwiftHeads(config["hidden_size"], 3, config["rms_norm_eps"])
     heads.reset_parameters(torch.Generator().manual_seed(0))
     heads.save(heads_dir)
     (heads_dir / "longgen.toml").write_text(f"[tokenswift.partial_kv]\nbudget = {budget}\nsinks = 16\n"
@@ -83,25 +98,26 @@ def make_checkpoints(root: Path, budget: int, policy: str = "tokenswift") -> tup
     return model, heads_dir
 
 
-def make_owl_drafter(root: Path, width: int, draft_vocab: int) -> Path:
-    """A random OWL drafter for the 8B shape (dummy weights: only its cost and losslessness count)."""
+def make_owl_drafter(root: Path, width: int, draft_vocab: int, config: dict = LLAMA_8B) -> Path:
+    """A random OWL drafter for a target shape, the 8B one by default (dummy weights: only its cost
+    and losslessness count)."""
     import torch
 
     from ..core.owl import OwlDrafter
 
-    vocab = LLAMA_8B["vocab_size"]
+    vocab = config["vocab_size"]
     n = draft_vocab if 0 < draft_vocab < vocab else None
-    drafter = OwlDrafter(LLAMA_8B["hidden_size"], vocab, width, n_steps=8, spec=True, draft_vocab_size=n)
+    drafter = OwlDrafter(config["hidden_size"], vocab, width, n_steps=8, spec=True, draft_vocab_size=n)
     gen = torch.Generator().manual_seed(0)
     drafter.reset_parameters(gen)
     if n is not None:
         drafter.set_token_map(torch.randperm(vocab, generator=gen)[:n].sort().values)
-    out = root / f"owl-{width}x{draft_vocab}"
+    out = root / (f"owl-{width}x{draft_vocab}" if config is LLAMA_8B else f"owl-{width}x{draft_vocab}-{vocab}v")
     drafter.save(out)
     return out
 
 
-def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512) -> Path:
+def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512, name: str = "longspec") -> Path:
     """A random LongSpec drafter block for a target config (dummy weights: only its cost and
     losslessness count); for the 8B shape it holds about 250M parameters (1 GB in fp32)."""
     import msgspec
@@ -112,7 +128,7 @@ def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512
 
     drafter = LongSpecDrafter.for_target(msgspec.convert(config, ModelConfig), window=window)
     drafter.reset_parameters(torch.Generator().manual_seed(0))
-    return drafter.save(root / f"longspec-w{window}")
+    return drafter.save(root / f"{name}-w{window}")
 
 
 def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:

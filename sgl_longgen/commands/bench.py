@@ -16,6 +16,16 @@ Two parts:
   decoding's ms/token (``ar_step_ms``) over it, the *projected* speedup. The GPU check's own
   figures are kept beside them, labelled "measured, dummy weights: repetitive greedy (upper bound)".
 
+With ``--engine sglang`` every method runs inside SGLang's ``sgl.Engine`` instead
+(``sgl_longgen.bench.engine_bench``): plain decoding, SGLang's own NGRAM (the peer), TOKENSWIFT,
+OWL, HOWL and LONGSPEC, one engine at a time, on the same proxy, prompts and settings (SGLang's CPU
+engine where there is no GPU). tau is SGLang's (completion tokens / ``spec_verify_ct``). With
+``--step-costs`` (GPU only) each method's engine also runs 8B-class shapes with dummy weights
+(``--shapes``: Llama-3.1-8B, Qwen2.5-7B) at each ``--contexts`` length and ``--batches`` size: the
+measured ms per step (plain decoding: per token) and the *projected* ms/token = that step cost /
+the proxy's tau, next to the dummy weights' own measured ms/token (greedy: repetitive text, an
+upper bound; sampled at T=1: almost nothing accepted, a lower bound).
+
 Outputs in ``--out DIR``: ``bench.json``, ``bench.md`` and ``bench.png``.
 """
 
@@ -24,17 +34,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..bench import engine_bench
 from ..config import load_toml
 from ..errors import LonggenError
 from . import eval as eval_cmd
-from .generate import add_model_args
+from .generate import add_model_args, read_prompts, resolve_config
 
 DECODINGS = ("greedy", "sampled")
+ENGINES = ("runtime", "sglang")
+DEFAULT_CONTEXTS = (4096, 32768, 98304)
+DEFAULT_BATCHES = (1, 4)
 PROJECTED = "projected: GPU step wall / proxy tau"
 MEASURED_DUMMY = "measured, dummy weights: repetitive greedy (upper bound)"
 
@@ -81,14 +96,29 @@ def add_parser(sub) -> None:
                         "what the GPU projection divides by; on, the CPU's costs decide which steps speculate)")
     p.add_argument("--gpu-report", type=Path, metavar="JSON",
                    help="a report of python -m sgl_longgen.bench.gpu_check: project its step times with the proxy's tau")
-    p.set_defaults(run=run)
+    p.add_argument("--engine", choices=ENGINES, default="runtime",
+                   help="runtime: the reference runtime (default); sglang: every method inside sgl.Engine "
+                        "(SGLang's CPU engine where there is no GPU), SGLang's NGRAM among them")
+    s = p.add_argument_group("step costs (--engine sglang, GPU hosts)")
+    s.add_argument("--step-costs", action="store_true",
+                   help="also measure each method's ms/step on 8B-class shapes with dummy weights and project "
+                        "ms/token with the proxy's tau (needs CUDA)")
+    s.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
+                   help="model shapes of the step costs (default: llama8b qwen7b)")
+    s.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS), metavar="TOKENS",
+                   help="context lengths of the step costs (default: 4096 32768 98304)")
+    s.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES), metavar="N",
+                   help="concurrent requests of the step costs (default: 1 4)")
+    s.add_argument("--step-tokens", type=int, default=32, metavar="N",
+                   help="new tokens per timed request of the step costs (default 32)")
+    p.set_defaults(run=run, bench_parser=p)
 
 
 # -- input checks (before any work: a typo fails in the first second) ------------------------------
 
 
-def check_methods(requested: list[str] | None) -> list[str]:
-    known = eval_cmd.method_names()
+def check_methods(requested: list[str] | None, known: list[str] | None = None) -> list[str]:
+    known = known or eval_cmd.method_names()
     methods = list(dict.fromkeys(requested or known))
     for m in methods:
         if m not in known:
@@ -291,26 +321,79 @@ def _f(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def markdown(result: dict) -> str:
-    lines = [f"# sgl-longgen bench: {result['model']}", "",
-             f"Reference runtime, {len(result['prompts'])} prompt(s), "
-             f"{result['max_new_tokens']} new tokens each per run. tok/s and speedup are the CPU reference "
-             "runtime's, not a GPU's."
-             + {False: " Adaptive speculation off: tau counts speculative steps only.",
-                True: " Adaptive speculation on: plain steps chosen by CPU costs count in tau."}.get(result["adaptive"], ""),
-             "",
-             "## Acceptance (measured on the proxy)", "",
-             "| setting | method | tokens | tau | alpha | Distinct-1 | Distinct-2 | Distinct-3 | Distinct-4 "
-             "| tok/s | speedup | identical to plain |",
+def intro(result: dict) -> str:
+    """What the acceptance figures are, by engine."""
+    n = f"{len(result['prompts'])} prompt(s), {result['max_new_tokens']} new tokens each per run."
+    adaptive = {False: " Adaptive speculation off: tau counts speculative steps only.",
+                True: " Adaptive speculation on: plain steps chosen by measured costs count in tau."}.get(
+                    result["adaptive"], "")
+    if result.get("engine") == "sglang":
+        where = "SGLang's CPU engine" if result.get("on_cpu") else "a GPU"
+        return (f"Every method inside sgl.Engine ({where}), {n} tau = completion tokens / spec_verify_ct, as SGLang "
+                f"reports it; alpha is the reference runtime's, not reported here. tok/s and speedup are this "
+                f"machine's.{adaptive}")
+    return f"Reference runtime, {n} tok/s and speedup are the CPU reference runtime's, not a GPU's.{adaptive}"
+
+
+def acceptance_table(rows: list[dict]) -> list[str]:
+    lines = [("| setting | method | tokens | tau | alpha | Distinct-1 | Distinct-2 | Distinct-3 | Distinct-4 "
+              "| tok/s | speedup | identical to plain |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["acceptance"]:
+    notes = {}
+    for r in rows:
         same = "-" if r["identical"] is None else ("yes" if r["identical"] else "**NO**")
-        distinct = " | ".join(f"{r[f'distinct_{n}']:.3f}" for n in eval_cmd.DISTINCT_N)
-        lines.append(f"| {r['setting']} | {r['method']} | {r['tokens']} | {r['tau']:.2f} | {_f(r['alpha'], '.3f')} "
-                     f"| {distinct} | {r['tokens_per_second']:.1f} | {_f(r['speedup'], '.2f')} | {same} |")
+        distinct = " | ".join(_f(r[f"distinct_{n}"], ".3f") for n in eval_cmd.DISTINCT_N)
+        lines.append(f"| {r['setting']} | {r['method']} | {r['tokens']} | {_f(r['tau'], '.2f')} | {_f(r['alpha'], '.3f')} "
+                     f"| {distinct} | {_f(r['tokens_per_second'], '.1f')} | {_f(r['speedup'], '.2f')} | {same} |")
+        if r.get("error"):
+            notes[r["method"]] = r["error"]
+    lines += [f"\n{method}: {error}" for method, error in notes.items()]
+    return lines
+
+
+def step_cost_tables(result: dict) -> list[str]:
+    costs = result.get("step_costs")
+    if costs is None:
+        return []
+    lines = ["", "## Step costs in sgl.Engine (measured, dummy weights)", "",
+             f"{costs['note']}", "",
+             ("| shape | method | context | batch | greedy ms/step | greedy tau | greedy ms/token "
+              f"({engine_bench.GREEDY_BOUND}) | sampled ms/step | sampled tau "
+              f"| sampled ms/token ({engine_bench.SAMPLED_BOUND}) |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in costs["measured"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['method']} | failed: {r['error']} | | | | | | | |")
+            continue
+        lines.append(f"| {r['shape']} | {r['method']} | {r['context']} | {r['batch']} "
+                     f"| {_f(r.get('greedy_ms_per_step'), '.2f')} | {_f(r.get('greedy_tau'), '.2f')} "
+                     f"| {_f(r.get('greedy_ms_per_token'), '.3f')} | {_f(r.get('sampled_ms_per_step'), '.2f')} "
+                     f"| {_f(r.get('sampled_tau'), '.2f')} | {_f(r.get('sampled_ms_per_token'), '.3f')} |")
+    lines += ["", "## Projected ms/token (measured step cost / proxy tau)", "",
+              f"*Projected*, not measured: {costs['projection_note']}", "",
+              ("| shape | method | context | batch | setting | proxy tau | step ms (measured) | ms/token (projected) "
+               "| speedup over plain (projected) |"),
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in costs["projected"]:
+        lines.append(f"| {r['shape']} | {r['method']} | {r['context']} | {r['batch']} | {r['setting']} "
+                     f"| {r['proxy_tau']:.2f} | {r['step_ms']:.2f} | {r['projected_ms_per_token']:.3f} "
+                     f"| {_f(r['projected_speedup'], '.2f')} |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# sgl-longgen bench: {result['model']}", ""]
+    if result.get("command"):
+        lines += [f"`{result['command']}`", ""]
+    lines += [intro(result), "", "## Acceptance (measured on the proxy)", "", *acceptance_table(result["acceptance"])]
+    lines += step_cost_tables(result)
     proj = result.get("projection")
     if proj is None:
-        lines += ["", "No GPU projection: give --gpu-report (a python -m sgl_longgen.bench.gpu_check JSON report)."]
+        if result.get("engine") == "sglang":
+            if result.get("step_costs") is None:
+                lines += ["", "No step costs: give --step-costs (a GPU host)."]
+        else:
+            lines += ["", "No GPU projection: give --gpu-report (a python -m sgl_longgen.bench.gpu_check JSON report)."]
         return "\n".join(lines) + "\n"
     plain = ", ".join(f"{_f(p['plain_ms_per_token'], '.2f')} ms/token at {p['context']}" for p in proj["plain"])
     lines += ["", "## GPU projection", "",
@@ -356,6 +439,36 @@ def _bars(ax, groups: list[str], series: dict[str, list[float | None]], colors: 
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
 
 
+def step_cost_panels(axes, panels: list[tuple[str, int]], costs: list[dict], settings: list[str],
+                     colors: dict[str, str]) -> None:
+    """Projected ms/token against context, one panel per (shape, batch): a line per method and
+    setting (solid: the first greedy setting, dashed: the first sampled one), plain decoding's
+    measured ms/token in black."""
+    firsts = (next((s for s in settings if s.startswith(kind)), None) for kind in ("greedy", "sampled"))
+    shown = [s for s in firsts if s is not None]
+    for ax, (shape, batch) in zip(axes, panels):
+        cells = [c for c in costs if c["shape"] == shape and c["batch"] == batch]
+        for method in dict.fromkeys(c["method"] for c in cells):
+            for setting in dict.fromkeys(shown):
+                pts = sorted((c["context"], c["projected_ms_per_token"]) for c in cells
+                             if c["method"] == method and c["setting"] == setting)
+                if not pts:
+                    continue
+                plain = method == eval_cmd.BASELINE
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",
+                        color="black" if plain else colors[method],
+                        linestyle="--" if setting.startswith("sampled") and not plain else "-",
+                        label="plain decoding (measured)" if plain else f"{method}, {setting}")
+                if plain:
+                    break  # one line: plain decoding's ms/token does not depend on tau
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms / token (lower is better)")
+        ax.set_title(f"{shape}, batch {batch}: projected ms/token = measured ms/step (dummy weights) / proxy tau",
+                     fontsize=9)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -367,9 +480,12 @@ def plot(result: dict, path: Path) -> None:
     spec_methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != eval_cmd.BASELINE] or [eval_cmd.BASELINE]
     proj = result.get("projection")
     contexts = list(dict.fromkeys(m["context"] for m in proj["measured_dummy"])) if proj else []
-    size = (max(10.0, 2.2 * (len(settings) + 1) + 2.5), 4.2 * (1 + len(contexts)))
-    fig, axes = plt.subplots(1 + len(contexts), 1, figsize=size, squeeze=False)
-    names = list(dict.fromkeys(spec_methods + ([m["label"] for m in proj["measured_dummy"]] if proj else [])))
+    costs = (result.get("step_costs") or {}).get("projected") or []
+    panels = list(dict.fromkeys((c["shape"], c["batch"]) for c in costs))
+    size = (max(10.0, 2.2 * (len(settings) + 1) + 2.5), 4.2 * (1 + len(contexts) + len(panels)))
+    fig, axes = plt.subplots(1 + len(contexts) + len(panels), 1, figsize=size, squeeze=False)
+    names = list(dict.fromkeys(spec_methods + ([m["label"] for m in proj["measured_dummy"]] if proj else [])
+                               + [c["method"] for c in costs]))
     colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per method in every panel
     legend = dict(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax = axes[0][0]
@@ -378,10 +494,13 @@ def plot(result: dict, path: Path) -> None:
           {m: [tau.get((m, s)) for s in settings] for m in spec_methods}, colors)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding (tau = 1)")
     ax.set_ylabel("tau (tokens / target forward)")
-    ax.set_title(f"measured on the proxy ({result['model']}, reference runtime, "
+    where = "sgl.Engine" if result.get("engine") == "sglang" else "reference runtime"
+    ax.set_title(f"measured on the proxy ({result['model']}, {where}, "
                  f"{len(result['prompts'])} prompt(s) x {result['max_new_tokens']} tokens): tau per method and setting",
                  fontsize=9)
     ax.legend(**legend)
+    if panels:
+        step_cost_panels([a[0] for a in axes[1 + len(contexts):]], panels, costs, settings, colors)
     if proj:
         measured_group = "measured, dummy weights:\nrepetitive greedy\n(upper bound)"
         for ax, context in zip((a[0] for a in axes[1:]), contexts):
@@ -409,8 +528,26 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> int:
-    methods = check_methods(args.methods)
+def command_line(args: argparse.Namespace) -> str:
+    """The invocation, from the parsed arguments (flags left at their defaults omitted)."""
+    parser = getattr(args, "bench_parser", None)
+    words = ["sgl-longgen", "bench"]
+    for action in (parser._actions if parser is not None else []):
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value == action.default or value is False:
+            continue
+        words.append(action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0])
+        if value is not True:
+            words += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return shlex.join(words)
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Every input check, before any work (a typo fails in the first second); returns the methods."""
+    sglang = args.engine == "sglang"
+    methods = check_methods(args.methods, list(engine_bench.ALGORITHMS) if sglang else None)
     if args.max_new_tokens < 1:
         raise LonggenError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.decodings and "sampled" in args.decodings and args.temperature <= 0:
@@ -424,23 +561,138 @@ def run(args: argparse.Namespace) -> int:
     bad = [t for t in args.penalties if t < 1.0]
     if bad:
         raise LonggenError(f"--penalties: theta must be >= 1.0 (1.0 = off), got {bad[0]}")
-    gpu = load_gpu_report(args.gpu_report) if args.gpu_report is not None else None
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not sglang:
+        if args.step_costs:
+            raise LonggenError("--step-costs measures each method inside sgl.Engine: add --engine sglang")
+        return methods
+    if args.config is not None:
+        raise LonggenError(f"--config {args.config}: with --engine sglang each engine reads its draft directory's "
+                           "longgen.toml (--heads, --drafter, --longspec-drafter); --config is the reference runtime's")
+    if args.dtype == "float64":
+        raise LonggenError("--dtype float64 is the reference runtime's; SGLang's engine runs float32 or bfloat16")
+    if args.step_costs:
+        if not engine_bench.cuda_available():
+            raise LonggenError("--step-costs needs a CUDA GPU (8B-class shapes in sgl.Engine); this machine has "
+                               "none: run it on a GPU host, or leave --step-costs out for the acceptance part")
+        engine_bench.parse_shapes(args.shapes or ["llama8b", "qwen7b"])
+        for flag, values, low in (("--contexts", args.contexts, 16), ("--batches", args.batches, 1),
+                                  ("--step-tokens", [args.step_tokens], 1)):
+            if any(v < low for v in values):
+                raise LonggenError(f"{flag}: at least {low}, got {min(values)}")
+    return methods
 
-    acceptance, records, prompts, code = run_acceptance(args, methods)
-    result: dict[str, Any] = {
-        "model": str(args.model), "methods": methods,
-        "adaptive": bool(args.adaptive), "max_new_tokens": args.max_new_tokens,
-        "prompts": prompts, "settings": list(dict.fromkeys(r["setting"] for r in acceptance)),
-        "acceptance": acceptance, "records": records,
-        "gpu_report": str(args.gpu_report) if gpu is not None else None,
-        "projection": project(gpu, acceptance) if gpu is not None else None,
-    }
+
+def save(args: argparse.Namespace, result: dict, final: bool = False) -> str:
+    """bench.json (after every method too: a later engine that kills the process keeps the
+    earlier rows); at the end also bench.md and bench.png."""
     result = _clean(result)
     (args.out / "bench.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if not final:
+        return ""
     md = markdown(result)
     (args.out / "bench.md").write_text(md, encoding="utf-8")
     plot(result, args.out / "bench.png")
+    return md
+
+
+def engine_prompts(args: argparse.Namespace, model_dir: Path, directory: Path) -> tuple[list[dict], list[dict]]:
+    """The prompts as token ids (the model's tokenizer), and their ids and texts for the report."""
+    from ..runtime.tokenizer import Tokenizer
+
+    path, items = write_prompts(args, directory)
+    tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=path), tokenizer)
+    if not items:
+        items = [{"id": p["id"], "prompt": p.get("prompt"), "prompt_file": str(path)} for p in prompts]
+    return prompts, items
+
+
+def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """The runtime's effective settings for these flags (penalty window, ignore_eos, seed), so that
+    both engines run the same requests."""
+    ns = _eval_parser().parse_args(eval_argv(args, [eval_cmd.BASELINE], "greedy", None, None, Path("unused")))
+    config, _ = resolve_config(ns, model_dir, method=eval_cmd.BASELINE)
+    return {"penalty_window": config.sampling.penalty_window, "ignore_eos": config.ignore_eos, "seed": config.seed}
+
+
+def engine_drafts(args: argparse.Namespace, model_dir: Path) -> dict[str, Path | None]:
+    from ..runtime import default_drafter_dir, default_heads_dir, default_longspec_dir
+
+    owl = args.drafter or default_drafter_dir(model_dir)
+    return {"tokenswift": args.heads or default_heads_dir(model_dir), "owl": owl, "howl": owl,
+            "longspec": args.longspec_drafter or default_longspec_dir(model_dir)}
+
+
+def run_engine(args: argparse.Namespace, methods: list[str], gpu: dict | None) -> tuple[dict, int]:
+    """``--engine sglang``: the acceptance part in sgl.Engine, then the step costs when asked."""
+    from ..runtime import resolve_model
+
+    model_dir = resolve_model(args.model)
+    on_cpu = engine_bench.prepare_engine()
+    result: dict[str, Any] = {
+        "engine": "sglang", "on_cpu": on_cpu, "command": command_line(args), "model": str(args.model),
+        "methods": methods, "adaptive": bool(args.adaptive), "max_new_tokens": args.max_new_tokens,
+        "gpu_report": str(args.gpu_report) if gpu is not None else None, "projection": None, "step_costs": None,
+    }
+    with tempfile.TemporaryDirectory(prefix="longgen_bench_") as tmp:
+        prompts, result["prompts"] = engine_prompts(args, model_dir, Path(tmp))
+    settings = engine_settings(args, model_dir)
+    result["penalty_window"] = settings["penalty_window"]
+
+    def save_rows(rows: list[dict], records: list[dict]) -> None:
+        result.update(acceptance=rows, records=records, settings=list(dict.fromkeys(r["setting"] for r in rows)))
+        save(args, result)
+
+    rows, _ = engine_bench.run_acceptance(args, methods, prompts, model_dir, engine_drafts(args, model_dir), settings,
+                                          setting_label, eval_cmd.distinct_n, eval_cmd.DISTINCT_N, on_cpu, save_rows)
+    save_rows(rows, result.get("records", []))
+    if gpu is not None:
+        result["projection"] = project(gpu, [r for r in rows if r.get("tau")])
+    if args.step_costs:
+        shapes = engine_bench.parse_shapes(args.shapes or ["llama8b", "qwen7b"])
+        costs: dict[str, Any] = {
+            "note": (f"ms/step: the wall of {args.step_tokens + 1}-token requests less a 1-token one (the prompt "
+                     "already in the radix cache), over the batch's verify steps (spec_verify_ct); plain decoding: "
+                     f"per token. Batch b: b copies of one random prompt. {engine_bench.GREEDY_BOUND}; "
+                     f"{engine_bench.SAMPLED_BOUND}."),
+            "projection_note": engine_bench.PROJECTED + " (plain decoding: its measured ms/token, tau 1); "
+                               "speedup = plain decoding's measured ms/token at that shape, context and batch / "
+                               "the projected ms/token.",
+            "shapes": list(shapes), "contexts": args.contexts, "batches": args.batches,
+            "step_tokens": args.step_tokens, "measured": [], "projected": []}
+        result["step_costs"] = costs
+
+        def save_costs(measured: list[dict]) -> None:
+            costs.update(measured=measured, projected=engine_bench.project(measured, rows))
+            save(args, result)
+
+        save_costs(engine_bench.run_step_costs(args, methods, shapes, save_costs))
+    mismatch = any(r["identical"] is False for r in rows)
+    failed = any(r.get("error") and not r["error"].startswith("not run:") for r in rows)
+    if mismatch:
+        print("sgl-longgen: error: a method's greedy output differs from plain decoding", file=sys.stderr)
+    return result, 1 if mismatch or failed else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    methods = check_args(args)
+    gpu = load_gpu_report(args.gpu_report) if args.gpu_report is not None else None
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    if args.engine == "sglang":
+        result, code = run_engine(args, methods, gpu)
+    else:
+        acceptance, records, prompts, code = run_acceptance(args, methods)
+        result = {
+            "engine": "runtime", "command": command_line(args),
+            "model": str(args.model), "methods": methods,
+            "adaptive": bool(args.adaptive), "max_new_tokens": args.max_new_tokens,
+            "prompts": prompts, "settings": list(dict.fromkeys(r["setting"] for r in acceptance)),
+            "acceptance": acceptance, "records": records,
+            "gpu_report": str(args.gpu_report) if gpu is not None else None,
+            "projection": project(gpu, acceptance) if gpu is not None else None,
+        }
+    md = save(args, result, final=True)
     print()
     print(md)
     print(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {args.out / 'bench.png'}", file=sys.stderr)

@@ -1,0 +1,433 @@
+"""``sgl-longgen bench --engine sglang``: every method inside SGLang's ``sgl.Engine``.
+
+Two parts, one engine per method at a time (started, run, stopped with
+:func:`sgl_longgen.sglang.engine.stop_engine`, so the process never holds two models):
+
+* acceptance (:func:`run_acceptance`, CPU or GPU): each method on the embedded proxy with its
+  shipped drafters over the held-out prompts, greedy and sampled at each contextual penalty. tau is
+  what SGLang reports: completion tokens / ``spec_verify_ct`` (tokens per target forward; 1 for
+  plain decoding). Greedy outputs are compared token for token with the plain engine's at the same
+  penalty: the same engine code, the same kernels, so any difference is the method's. The
+  contextual penalty reaches our algorithms as ``custom_params`` and the plain engine (and SGLang's
+  NGRAM) through :func:`sgl_longgen.sglang.engine.penalty_processor`, the same rule as a logit
+  processor, so every method samples from the same target distribution;
+* step costs (:func:`run_step_costs`, GPU only): each method on 8B-class shapes with dummy weights
+  and random drafters. A step's cost does not depend on the weights' values, only on the shapes
+  and the tree, so it is measured where acceptance means nothing and combined with the proxy's
+  tau: *projected* ms/token = measured ms/step / proxy tau.
+
+SGLang's CPU engine needs ``SGLANG_USE_CPU_ENGINE=1`` and, where ``sgl_kernel``'s CUDA-only wheel
+cannot load, the package's import stand-in (:mod:`sgl_longgen.sglang.cpu`); :func:`prepare_engine`
+puts both in place before the first engine starts. The stand-in implements the ops our algorithms
+call, not the ones SGLang's own NGRAM needs, so NGRAM is reported as not run there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import env
+from ..errors import LonggenError
+
+# The bench's method names (the reference runtime's, plus SGLang's own NGRAM as the peer) and the
+# engine's --speculative-algorithm for each; None: plain decoding.
+ALGORITHMS: dict[str, str | None] = {
+    "ar": None, "ngram": "NGRAM", "tokenswift": "TOKENSWIFT", "owl": "OWL", "howl": "HOWL", "longspec": "LONGSPEC",
+}
+BASELINE = "ar"
+NGRAM_DRAFT_TOKENS = 16  # gpu_check's NGRAM width
+MEASURED = "measured"
+PROJECTED = "projected: measured ms/step (dummy weights) / proxy tau"
+GREEDY_BOUND = "measured, dummy weights, greedy: repetitive (upper bound)"
+SAMPLED_BOUND = "measured, dummy weights, sampled T=1: nothing accepted (lower bound)"
+
+
+# -- the engine and its kwargs ---------------------------------------------------------------------
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def prepare_engine() -> bool:
+    """Select SGLang's CPU engine on a machine without CUDA (with the ``sgl_kernel`` stand-in where
+    the real one cannot load); returns whether engines run on the CPU."""
+    if cuda_available():
+        return False
+    from ..sglang.cpu import install_stand_in
+
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    install_stand_in()
+    return True
+
+
+def ngram_unavailable(on_cpu: bool) -> str | None:
+    """Why SGLang's NGRAM cannot run here, or None."""
+    if not on_cpu:
+        return None
+    from ..sglang.cpu import STAND_IN, kernels_load
+
+    if str(STAND_IN) in sys.path or not kernels_load():
+        return ("SGLang's NGRAM calls sgl_kernel ops (reconstruct_indices_from_tree_mask) that the CPU "
+                "engine's sgl_kernel stand-in does not provide")
+    return None
+
+
+def proxy_engine_kwargs(model_dir: Path, on_cpu: bool, context: int, dtype: str | None, seed: int) -> dict[str, Any]:
+    """``sgl.Engine`` arguments for the proxy, with no speculative algorithm yet. On the CPU, those
+    of the SGLang engine tests (float32, the ``longgen_torch`` backend, no CUDA graphs); the static
+    memory share is only a check there (the token budget caps the KV pool), kept well above what
+    the weights take so that another process's allocations during the start cannot fail it."""
+    kw: dict[str, Any] = {"model_path": str(model_dir), "skip_tokenizer_init": True,
+                          "enable_custom_logit_processor": True, "random_seed": seed, "context_length": context,
+                          "max_running_requests": 8, "log_level": "error"}
+    if on_cpu:
+        kw.update(device="cpu", dtype=dtype or "float32", attention_backend="longgen_torch", disable_cuda_graph=True,
+                  disable_overlap_schedule=True, mem_fraction_static=0.2, max_total_tokens=max(16384, 2 * context))
+    else:
+        kw.update(mem_fraction_static=0.5, cuda_graph_max_bs_decode=8)
+        if dtype is not None:
+            kw["dtype"] = dtype
+    return kw
+
+
+def with_method(kw: dict[str, Any], method: str, draft: Path | None) -> dict[str, Any]:
+    """The kwargs of ``method``'s engine: its algorithm and draft directory (overlap scheduling off,
+    as the plugin sets it for its synchronous workers)."""
+    algorithm = ALGORITHMS[method]
+    kw = dict(kw)
+    if algorithm is None:
+        return kw
+    kw.update(speculative_algorithm=algorithm, disable_overlap_schedule=True)
+    if algorithm == "NGRAM":
+        kw["speculative_num_draft_tokens"] = NGRAM_DRAFT_TOKENS
+    elif draft is not None:
+        kw["speculative_draft_model_path"] = str(draft)
+    return kw
+
+
+def with_engine(kw: dict[str, Any], adaptive: bool, body: Callable[[Any], Any]) -> Any:
+    """Start an engine, run ``body(engine)``, stop it (also when ``body`` raises)."""
+    from ..sglang.engine import open_engine, stop_engine
+
+    if adaptive:
+        os.environ[env.name("ADAPTIVE")] = "1"  # read by the engine's scheduler process at start
+    try:
+        engine = open_engine(**kw)
+    finally:
+        os.environ.pop(env.name("ADAPTIVE"), None)
+    try:
+        return body(engine)
+    finally:
+        stop_engine(engine)
+
+
+def request(engine, prompts: list[list[int]], params: dict, penalty_processor: str | None) -> tuple[list[dict], float]:
+    """``prompts`` run together; their outputs and the wall seconds."""
+    kwargs = {"custom_logit_processor": [penalty_processor] * len(prompts)} if penalty_processor else {}
+    t = time.perf_counter()
+    out = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts), **kwargs)
+    wall = time.perf_counter() - t
+    return (out if isinstance(out, list) else [out]), wall
+
+
+def steps_of(meta: dict) -> int | None:
+    """Target forwards of a request's decode steps (``spec_verify_ct``; None without speculation)."""
+    value = meta.get("spec_verify_ct")
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# -- acceptance ------------------------------------------------------------------------------------
+
+
+def sampling_params(decoding: str, penalty: float, window: int, max_new_tokens: int, ignore_eos: bool,
+                    temperature: float, min_p: float) -> dict:
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "no_stop_trim": True,
+                              "custom_params": {"penalty": float(penalty), "penalty_window": int(window)}}
+    if decoding == "greedy":
+        params["temperature"] = 0.0
+    else:
+        params.update(temperature=float(temperature), min_p=float(min_p))
+    return params
+
+
+def acceptance_row(method: str, decoding: str, penalty: float, outputs: list[tuple[dict, list[int], float]],
+                   baseline: dict[str, list[int]] | None, distinct: Callable[[list[int], int], float],
+                   distinct_n: tuple[int, ...]) -> tuple[dict, list[dict]]:
+    """One (setting, method) row from ``(prompt item, output ids and meta, wall s)`` per prompt,
+    and its per-prompt records. tau = completion tokens / verify steps over all prompts."""
+    tokens = steps = 0
+    seconds = 0.0
+    accept_rates: list[float] = []
+    dist = [0.0] * len(distinct_n)
+    identical: bool | None = None
+    records = []
+    for item, out, wall in outputs:
+        ids, meta = out["output_ids"], out["meta_info"]
+        n = int(meta.get("completion_tokens", len(ids)))
+        s = steps_of(meta)
+        tokens += n
+        steps += s if s else n  # plain decoding: one forward per token
+        seconds += wall
+        if isinstance(meta.get("spec_accept_rate"), (int, float)):
+            accept_rates.append(float(meta["spec_accept_rate"]))
+        for i, k in enumerate(distinct_n):
+            dist[i] += distinct(ids, k)
+        same = None
+        if baseline is not None and decoding == "greedy":
+            same = ids == baseline.get(item["id"])
+            identical = same and identical is not False
+        records.append({"id": item["id"], "method": method, "decoding": decoding, "penalty": penalty,
+                        "num_new_tokens": n, "verify_steps": s, "accept_length": n / s if s else 1.0,
+                        "sglang_accept_length": meta.get("spec_accept_length"), "seconds": wall,
+                        "identical": same, "finish_reason": meta.get("finish_reason"),
+                        "distinct": [distinct(ids, k) for k in distinct_n]})
+    count = max(len(outputs), 1)
+    row = {"method": method, "penalty": penalty, "prompts": len(outputs), "tokens": tokens, "steps": steps,
+           "committed": tokens, "decode_seconds": seconds, "tau": tokens / steps if steps else None,
+           "alpha": None, "sglang_accept_rate": statistics.fmean(accept_rates) if accept_rates else None,
+           "tokens_per_second": tokens / seconds if seconds else 0.0, "identical": identical, "errors": 0,
+           "error": None, **{f"distinct_{k}": d / count for k, d in zip(distinct_n, dist)}}
+    return row, records
+
+
+def missing_row(method: str, penalty: float, reason: str, distinct_n: tuple[int, ...]) -> dict:
+    """The row of a method that did not run (its engine failed or cannot run here)."""
+    return {"method": method, "penalty": penalty, "prompts": 0, "tokens": 0, "steps": 0, "committed": 0,
+            "decode_seconds": 0.0, "tau": None, "alpha": None, "sglang_accept_rate": None, "tokens_per_second": None,
+            "speedup": None,
+            "identical": None, "errors": 1, "error": reason, **{f"distinct_{k}": None for k in distinct_n}}
+
+
+def run_acceptance(args: argparse.Namespace, methods: list[str], prompts: list[dict], model_dir: Path,
+                   drafts: dict[str, Path | None], settings: dict[str, Any], label: Callable[..., str],
+                   distinct: Callable[[list[int], int], float], distinct_n: tuple[int, ...],
+                   on_cpu: bool, save: Callable[[list[dict], list[dict]], None]) -> tuple[list[dict], list[dict]]:
+    """Every method's engine in turn over the prompts, each decoding at each penalty.
+
+    ``settings``: ``penalty_window``, ``ignore_eos``, ``seed`` (the runtime's effective settings,
+    so both engines run the same requests). ``save(rows, records)`` after each method: an engine
+    that takes the process down keeps the methods before it. Returns (rows, records)."""
+    from ..sglang.engine import penalty_processor
+
+    decodings = list(dict.fromkeys(args.decodings))
+    penalties = list(dict.fromkeys(float(t) for t in args.penalties))
+    longest = max(len(p["input_ids"]) for p in prompts)
+    base_kw = proxy_engine_kwargs(model_dir, on_cpu, longest + args.max_new_tokens + 256, args.dtype,
+                                  int(settings["seed"]))
+    processor = penalty_processor()
+    outputs: dict[tuple[str, str, float], list] = {}
+    failures: dict[str, str] = {}
+    # NGRAM last: an engine that cannot start takes the process down with it (SGLang's watchdog),
+    # and what ran before is saved by then.
+    order = [m for m in methods if m != "ngram"] + [m for m in methods if m == "ngram"]
+    rows: list[dict] = []
+    records: list[dict] = []
+
+    def collect() -> tuple[list[dict], list[dict]]:
+        rows.clear()
+        records.clear()
+        for decoding in decodings:
+            for penalty in penalties:
+                setting = label(decoding, penalty, args.temperature if decoding == "sampled" else 0.0,
+                                args.min_p if decoding == "sampled" else 0.0)
+                head = {"setting": setting, "decoding": decoding,
+                        "temperature": float(args.temperature) if decoding == "sampled" else 0.0,
+                        "min_p": float(args.min_p) if decoding == "sampled" else 0.0}
+                base = outputs.get((BASELINE, decoding, penalty))
+                baseline = {item["id"]: out["output_ids"] for item, out, _ in base} if base else None
+                plain_rate = None
+                for method in methods:
+                    if method in failures:
+                        rows.append({**head, **missing_row(method, penalty, failures[method], distinct_n)})
+                        continue
+                    got = outputs.get((method, decoding, penalty))
+                    if got is None:
+                        continue
+                    row, recs = acceptance_row(method, decoding, penalty, got,
+                                               None if method == BASELINE else baseline, distinct, distinct_n)
+                    if method == BASELINE:
+                        plain_rate = row["tokens_per_second"]
+                    row["speedup"] = row["tokens_per_second"] / plain_rate if plain_rate else None
+                    rows.append({**head, **row})
+                    records.extend({"setting": setting, **r} for r in recs)
+        return rows, records
+
+    ngram_reason = ngram_unavailable(on_cpu)
+    for method in order:
+        if method == "ngram" and ngram_reason:
+            failures[method] = f"not run: {ngram_reason}"
+            print(f"== {method}: {failures[method]}", flush=True)
+            continue
+        print(f"== {method} ({ALGORITHMS[method] or 'plain decoding'}) in sgl.Engine", flush=True)
+
+        def body(engine, method=method):
+            own = ALGORITHMS[method] not in (None, "NGRAM")  # our workers apply the penalty themselves
+            for decoding in decodings:
+                for penalty in penalties:
+                    params = sampling_params(decoding, penalty, settings["penalty_window"], args.max_new_tokens,
+                                             settings["ignore_eos"], args.temperature, args.min_p)
+                    got = []
+                    for item in prompts:  # one at a time: tokens/s per request, as the runtime measures it
+                        outs, wall = request(engine, [item["input_ids"]], params,
+                                             None if own or penalty <= 1.0 else processor)
+                        got.append((item, outs[0], wall))
+                        meta = outs[0]["meta_info"]
+                        steps = steps_of(meta)
+                        print(f"  {decoding} θ={penalty:g} {item['id']}: {meta.get('completion_tokens')} tokens "
+                              f"in {wall:.2f} s" + (f", tau {meta['completion_tokens'] / steps:.2f}" if steps else ""),
+                              flush=True)
+                    outputs[(method, decoding, penalty)] = got
+
+        try:
+            with_engine(with_method(base_kw, method, drafts.get(method)), bool(args.adaptive), body)
+        except Exception as exc:  # noqa: BLE001 - one method's failure must not lose the others' rows
+            failures[method] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"== {method} failed: {failures[method]}", flush=True)
+        save(*collect())
+    return collect()
+
+
+# -- step costs (GPU) -------------------------------------------------------------------------------
+
+
+def dummy_engine_kwargs(model: Path, context: int, batches: list[int]) -> dict[str, Any]:
+    """``sgl.Engine`` arguments for a dummy-weights 8B-class model, as gpu_check and
+    adaptive_check start theirs; CUDA graphs only for the measured batch sizes (a start captures
+    one graph per size, and each engine here starts once per method and shape)."""
+    return {"model_path": str(model), "load_format": "dummy", "skip_tokenizer_init": True, "mem_fraction_static": 0.8,
+            "context_length": max(context + 4096, 8192), "log_level": "warning", "random_seed": 0,
+            "chunked_prefill_size": 16384, "max_running_requests": max(4, max(batches)),
+            "cuda_graph_bs_decode": sorted(set(batches)), "cuda_graph_backend_prefill": "disabled"}
+
+
+def dummy_drafts(root: Path, name: str, config: dict, methods: list[str]) -> tuple[Path, dict[str, Path | None]]:
+    """The dummy model and random drafters of one shape (gpu_check's makers)."""
+    from .gpu_check import make_checkpoints, make_longspec_drafter, make_owl_drafter
+
+    model, heads = make_checkpoints(root, 4096, config=config, name=name)
+    drafts: dict[str, Path | None] = {"tokenswift": heads}
+    if {"owl", "howl"} & set(methods):
+        owl = make_owl_drafter(root, 1024, 32768, config=config)
+        drafts.update(owl=owl, howl=owl)
+    if "longspec" in methods:
+        drafts["longspec"] = make_longspec_drafter(root, config, name=f"{name}-longspec")
+    return model, drafts
+
+
+def time_request(engine, prompt: list[int], batch: int, params: dict, n: int, one_token_s: float) -> dict:
+    """``batch`` copies of ``prompt``, ``n + 1`` new tokens each, less the 1-token request's wall
+    (its prefill, the prompt already cached): ms per token and, with speculation, per step."""
+    outs, wall = request(engine, [prompt] * batch, {**params, "max_new_tokens": n + 1}, None)
+    decode_ms = max(wall - one_token_s, 0.0) * 1e3
+    steps = [steps_of(o["meta_info"]) for o in outs]
+    row: dict[str, Any] = {"ms_per_token": round(decode_ms / n, 3)}
+    if all(s for s in steps):
+        # The batch steps together until its longest request ends: that many batched steps.
+        row["steps"] = max(steps)
+        row["ms_per_step"] = round(decode_ms / max(steps), 3)
+        row["tau"] = round(statistics.fmean(int(o["meta_info"]["completion_tokens"]) / s for o, s in zip(outs, steps)), 3)
+    return row
+
+
+def measure_engine(engine, method: str, contexts: list[int], batches: list[int], n: int, vocab: int,
+                   log: Callable[[str], None]) -> list[dict]:
+    """Every (context, batch) of one engine: greedy and sampled (T=1) requests of ``n + 1`` tokens.
+
+    The batch is ``batch`` copies of one prompt: each request still reads its whole context every
+    step (its own slot table), and the prompt's one prefill, kept by the radix cache, serves every
+    request of that context, so the long prefills are paid once per context and engine."""
+    rng = random.Random(0)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    sampled = {"temperature": 1.0, "ignore_eos": True}
+    rows = []
+    warm = [rng.randrange(1000, vocab - 1000) for _ in range(512)]
+    request(engine, [warm], {**greedy, "max_new_tokens": 64}, None)  # first-use compilation, drafter graphs
+    for context in contexts:
+        prompt = [rng.randrange(1000, vocab - 1000) for _ in range(context)]
+        request(engine, [prompt], {**greedy, "max_new_tokens": 1}, None)  # the prefill, into the radix cache
+        for batch in batches:
+            _, one = request(engine, [prompt] * batch, {**greedy, "max_new_tokens": 1}, None)
+            row: dict[str, Any] = {"method": method, "context": context, "batch": batch, "one_token_s": round(one, 4)}
+            for name, params in (("greedy", greedy), ("sampled", sampled)):
+                for key, value in time_request(engine, prompt, batch, params, n, one).items():
+                    row[f"{name}_{key}"] = value
+            row["figure"] = MEASURED
+            rows.append(row)
+            log(f"  context {context} batch {batch}: " + ", ".join(
+                f"{k} {v}" for k, v in row.items() if k.startswith(("greedy_", "sampled_"))))
+    return rows
+
+
+def run_step_costs(args: argparse.Namespace, methods: list[str], shapes: dict[str, dict],
+                   save: Callable[[list[dict]], None]) -> list[dict]:
+    """Measured ms/step (ms/token for plain decoding) per shape, method, context and batch."""
+    rows: list[dict] = []
+    root = Path(tempfile.mkdtemp(prefix="longgen_bench_costs_"))
+    order = [m for m in methods if m != "ngram"] + [m for m in methods if m == "ngram"]  # see run_acceptance
+    started = time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {line}", flush=True)
+
+    for name, config in shapes.items():
+        log(f"{name}: dummy weights and random drafters")
+        model, drafts = dummy_drafts(root / name, name, config, methods)
+        kw = dummy_engine_kwargs(model, max(args.contexts), args.batches)
+        for method in order:
+            log(f"{name} {method} ({ALGORITHMS[method] or 'plain decoding'}): starting the engine")
+            try:
+                got = with_engine(with_method(kw, method, drafts.get(method)), False,
+                                  lambda engine, method=method, vocab=config["vocab_size"]: measure_engine(
+                                      engine, method, args.contexts, args.batches, args.step_tokens, vocab, log))
+                rows += [{"shape": name, **r} for r in got]
+            except Exception as exc:  # noqa: BLE001 - one method's failure must not lose the others' rows
+                rows.append({"shape": name, "method": method, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                log(f"{name} {method} failed: {rows[-1]['error']}")
+            save(rows)
+    return rows
+
+
+def project(costs: list[dict], acceptance: list[dict]) -> list[dict]:
+    """Projected ms/token per (shape, method, context, batch, proxy setting): the measured step
+    cost (greedy request's ms/step; plain decoding: its measured ms/token) over the proxy's tau."""
+    tau_of = {(r["method"], r["setting"]): r["tau"] for r in acceptance if r.get("tau")}
+    settings = list(dict.fromkeys(r["setting"] for r in acceptance))
+    plain = {(r["shape"], r["context"], r["batch"]): r.get("greedy_ms_per_token")
+             for r in costs if r.get("method") == BASELINE and "context" in r}
+    out = []
+    for r in costs:
+        if "context" not in r:
+            continue
+        step = r.get("greedy_ms_per_token") if r["method"] == BASELINE else r.get("greedy_ms_per_step")
+        plain_ms = plain.get((r["shape"], r["context"], r["batch"]))
+        for setting in settings:
+            tau = 1.0 if r["method"] == BASELINE else tau_of.get((r["method"], setting))
+            if tau is None or step is None:
+                continue
+            ms = step / tau
+            out.append({"figure": PROJECTED, "shape": r["shape"], "method": r["method"], "context": r["context"],
+                        "batch": r["batch"], "setting": setting, "proxy_tau": tau, "step_ms": step,
+                        "projected_ms_per_token": round(ms, 4),
+                        "projected_speedup": round(plain_ms / ms, 3) if plain_ms and ms else None})
+    return out
+
+
+def parse_shapes(names: list[str]) -> dict[str, dict]:
+    from .gpu_check import SHAPES
+
+    bad = [n for n in names if n not in SHAPES]
+    if bad:
+        raise LonggenError(f"--shapes: unknown shape {bad[0]!r} (known: {', '.join(SHAPES)})")
+    return {n: SHAPES[n] for n in dict.fromkeys(names)}

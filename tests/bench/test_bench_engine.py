@@ -1,0 +1,179 @@
+"""``sgl-longgen bench --engine sglang``: every method inside SGLang's ``sgl.Engine``.
+
+The acceptance part runs for real on SGLang's CPU engine (the shipped proxy and its drafters, one
+engine per method); the step costs need a GPU, so here they are refused, and their projection,
+tables and plot are checked on measured rows of the shape ``run_step_costs`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sgl_longgen.bench import engine_bench
+from sgl_longgen.commands import bench
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+METHODS = ("ar", "ngram", "tokenswift", "owl", "howl", "longspec")
+SPECULATIVE = ("tokenswift", "owl", "howl", "longspec")
+NEW_TOKENS = 16
+
+
+def one_error_line(res) -> str:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("sgl-longgen: error:")
+    return lines[0]
+
+
+def test_every_method_in_sgl_engine(cli, tmp_path):
+    out = tmp_path / "bench"
+    res = cli("bench", "--engine", "sglang", "--out", str(out), "--max-new-tokens", str(NEW_TOKENS),
+              "--num-prompts", "1", "--penalties", "1.0", "--methods", *METHODS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in ("bench.json", "bench.md", "bench.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    assert (out / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    report = json.loads((out / "bench.json").read_text())
+    assert report["engine"] == "sglang" and report["on_cpu"] is not torch.cuda.is_available()
+    rows = report["acceptance"]
+    for decoding in ("greedy", "sampled"):
+        got = [r["method"] for r in rows if r["decoding"] == decoding]
+        assert sorted(got) == sorted(METHODS), (decoding, got)
+    ran = [r for r in rows if r["error"] is None]
+    assert all(r["tokens"] == NEW_TOKENS for r in ran)
+    assert all(r["tau"] == 1.0 and r["steps"] == NEW_TOKENS for r in ran if r["method"] == "ar")
+    spec = [r for r in ran if r["method"] in SPECULATIVE]
+    assert len(spec) == 2 * len(SPECULATIVE), [r["method"] for r in spec]
+    for r in spec:  # SGLang's tau: completion tokens / spec_verify_ct
+        assert r["tau"] >= 1.0 and r["tau"] == pytest.approx(r["tokens"] / r["steps"])
+        assert r["steps"] < r["tokens"] or r["decoding"] == "sampled"  # greedy: drafts were accepted
+    greedy = [r for r in rows if r["decoding"] == "greedy" and r["method"] != "ar" and r["error"] is None]
+    assert greedy and all(r["identical"] is True for r in greedy)
+    assert max(r["tau"] for r in greedy) > 2.0  # the trained proxy drafters really speculate
+    assert all(r["identical"] is None for r in rows if r["decoding"] == "sampled")
+    records = [r for r in report["records"] if r["method"] == "tokenswift" and r["decoding"] == "greedy"]
+    assert records and records[0]["verify_steps"] == next(
+        r["steps"] for r in rows if r["method"] == "tokenswift" and r["decoding"] == "greedy")
+
+    ngram = [r for r in rows if r["method"] == "ngram"]
+    reason = engine_bench.ngram_unavailable(report["on_cpu"])
+    if reason is None:  # a CPU build of sgl_kernel, or a GPU
+        assert all(r["error"] is None and r["tau"] >= 1.0 for r in ngram)
+    else:  # the stand-in: reported as not run, every other method still measured
+        assert all(r["error"] == f"not run: {reason}" and r["tau"] is None for r in ngram)
+
+    md = (out / "bench.md").read_text()
+    assert "`sgl-longgen bench --out" in md and "--engine sglang" in md
+    assert "inside sgl.Engine" in md and "| greedy θ=1.0 | tokenswift | 16 |" in md
+    assert "No step costs: give --step-costs" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused on machines without CUDA")
+def test_step_costs_refused_without_cuda(cli, tmp_path):
+    out = tmp_path / "bench"
+    line = one_error_line(cli("bench", "--engine", "sglang", "--step-costs", "--out", str(out)))
+    assert "--step-costs" in line and "CUDA" in line
+    assert not out.exists()  # refused before any work
+
+
+def test_bad_engine_input(cli, tmp_path):
+    out = tmp_path / "bench"
+    line = one_error_line(cli("bench", "--step-costs", "--out", str(out)))
+    assert "--engine sglang" in line
+    config = tmp_path / "c.toml"
+    config.write_text("max_new_tokens = 8\n")
+    line = one_error_line(cli("bench", "--engine", "sglang", "--config", str(config), "--out", str(out)))
+    assert "--config" in line and "longgen.toml" in line
+    line = one_error_line(cli("bench", "--engine", "sglang", "--methods", "ar", "medusa", "--out", str(out)))
+    assert "unknown method 'medusa'" in line and "ngram" in line
+    line = one_error_line(cli("bench", "--methods", "ngram", "--out", str(out)))  # the runtime has no NGRAM
+    assert "unknown method 'ngram'" in line
+    assert not out.exists()
+
+
+def test_qwen_shape_and_shape_names():
+    from sgl_longgen.bench.gpu_check import QWEN_7B
+
+    assert QWEN_7B["architectures"] == ["Qwen2ForCausalLM"]
+    assert (QWEN_7B["hidden_size"], QWEN_7B["intermediate_size"], QWEN_7B["num_hidden_layers"]) == (3584, 18944, 28)
+    assert (QWEN_7B["num_attention_heads"], QWEN_7B["num_key_value_heads"], QWEN_7B["vocab_size"]) == (28, 4, 152064)
+    assert list(engine_bench.parse_shapes(["qwen7b", "llama8b"])) == ["qwen7b", "llama8b"]
+    with pytest.raises(Exception, match="unknown shape 'mistral'"):
+        engine_bench.parse_shapes(["mistral"])
+
+
+# -- step costs: projection, tables and plot from measured rows (what run_step_costs writes) --------
+
+GREEDY = "greedy θ=1.0"
+SAMPLED = "sampled T=1 min_p=0.1 θ=1.0"
+
+
+def measured(shape, method, context, batch, ms, steps=None):
+    row = {"shape": shape, "method": method, "context": context, "batch": batch, "one_token_s": 0.05,
+           "figure": engine_bench.MEASURED, "greedy_ms_per_token": ms, "sampled_ms_per_token": ms * 1.5}
+    if steps is not None:
+        row.update(greedy_steps=steps, greedy_ms_per_step=ms * 4, greedy_tau=4.0,
+                   sampled_steps=steps * 3, sampled_ms_per_step=ms * 4.2, sampled_tau=1.1)
+    return row
+
+
+def test_projection_divides_measured_step_cost_by_proxy_tau(tmp_path):
+    costs = [measured("llama8b", "ar", c, b, 7.0 + c / 32768) for c in (4096, 98304) for b in (1, 4)]
+    costs += [measured("llama8b", "tokenswift", c, b, 3.0, steps=10) for c in (4096, 98304) for b in (1, 4)]
+    costs.append({"shape": "llama8b", "method": "owl", "error": "RuntimeError: out of memory"})
+    acceptance = [{"method": "ar", "setting": GREEDY, "tau": 1.0}, {"method": "ar", "setting": SAMPLED, "tau": 1.0},
+                  {"method": "tokenswift", "setting": GREEDY, "tau": 6.0},
+                  {"method": "tokenswift", "setting": SAMPLED, "tau": 2.0},
+                  {"method": "owl", "setting": GREEDY, "tau": 3.0}]
+    projected = engine_bench.project(costs, acceptance)
+    assert len(projected) == 2 * 2 * 2 * 2  # (ar, tokenswift) x 2 contexts x 2 batches x 2 settings
+    for p in projected:
+        assert p["figure"].startswith("projected")
+        src = next(c for c in costs if c.get("context") == p["context"] and c.get("batch") == p["batch"]
+                   and c["method"] == p["method"])
+        plain = next(c for c in costs if c.get("context") == p["context"] and c.get("batch") == p["batch"]
+                     and c["method"] == "ar")
+        if p["method"] == "ar":  # its measured ms/token, tau 1 in every setting
+            assert p["proxy_tau"] == 1.0 and p["projected_ms_per_token"] == pytest.approx(src["greedy_ms_per_token"])
+        else:
+            tau = {GREEDY: 6.0, SAMPLED: 2.0}[p["setting"]]
+            assert p["proxy_tau"] == tau and p["step_ms"] == src["greedy_ms_per_step"]
+            assert p["projected_ms_per_token"] == pytest.approx(src["greedy_ms_per_step"] / tau, abs=1e-4)
+        assert p["projected_speedup"] == pytest.approx(plain["greedy_ms_per_token"] / p["projected_ms_per_token"],
+                                                       rel=1e-3)
+
+    result = {"engine": "sglang", "on_cpu": False, "command": "sgl-longgen bench --engine sglang --step-costs",
+              "model": "tiny", "adaptive": False, "max_new_tokens": 16, "prompts": [{"id": "p"}],
+              "acceptance": [{"setting": a["setting"], "decoding": a["setting"].split()[0], "method": a["method"],
+                              "tokens": 16, "tau": a["tau"], "alpha": None, "tokens_per_second": 10.0,
+                              "speedup": 1.0, "identical": None, "error": None,
+                              **{f"distinct_{n}": 0.5 for n in (1, 2, 3, 4)}} for a in acceptance],
+              "projection": None,
+              "step_costs": {"note": "n", "projection_note": "p", "measured": costs, "projected": projected}}
+    md = bench.markdown(result)
+    assert md.startswith("# sgl-longgen bench: tiny\n\n`sgl-longgen bench --engine sglang --step-costs`")
+    assert engine_bench.GREEDY_BOUND in md and engine_bench.SAMPLED_BOUND in md
+    assert "| llama8b | tokenswift | 98304 | 4 | 12.00 | 4.00 | 3.000 |" in md
+    assert "| llama8b | owl | failed: RuntimeError: out of memory |" in md
+    assert "ms/token (projected)" in md and f"| llama8b | tokenswift | 4096 | 1 | {GREEDY} | 6.00 | 12.00 | 2.000 |" in md
+    bench.plot(result, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_bench_imports_without_sglang():
+    """The command and its engine module import SGLang only when an engine starts."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, sgl_longgen.commands.bench, sgl_longgen.bench.engine_bench; "
+            "assert 'sglang' not in sys.modules, 'imported sglang'; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
