@@ -46,6 +46,8 @@ measured, so tests drive it with synthetic costs and acceptances.
 
 from __future__ import annotations
 
+import math
+
 from ..config import AdaptiveConfig
 
 SPECULATE, PLAIN = "speculate", "plain"
@@ -211,6 +213,23 @@ class AdaptiveController:
             self._probing = True
             return SPECULATE
         return PLAIN
+
+    def plain_steps_allowed(self, costs: StepCosts | None = None) -> int:
+        """Plain steps that may run back to back before this controller wants a speculative one
+        (at least 1): the steps until its next probe falls due, by the same rule as :meth:`decide`.
+
+        A runtime that queues several plain steps in one call (where the per-call host time is
+        dear) must not run past a due probe: a probe that comes late keeps a paying draft idle, and
+        with runs that double in length it can come many times too late. While speculating pays,
+        or with nothing measured, a plain step is a one-off (a cost refresh): 1.
+        """
+        costs = costs or self.costs
+        plain = costs.plain.value
+        if self.spec_steps < self.config.warmup or plain is None or plain <= 0 or self.worth(costs):
+            return 1
+        spec = costs.spec.value if costs.spec.value is not None else plain
+        due = self.interval * spec / plain - self.since_spec  # decide() probes once this is <= 0
+        return max(1, math.ceil(due))
 
     # -- what the step did ---------------------------------------------------------------------
 

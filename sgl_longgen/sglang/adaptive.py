@@ -155,6 +155,15 @@ class AdaptiveSteps:
         self._planned = (frozenset(s.rid for s in steps), kind, probes)
         return kind
 
+    def plain_run_limit(self, steps) -> int:
+        """Plain steps the current (plain) call may queue before some request's controller wants a
+        speculative step: the least :meth:`~sgl_longgen.core.adaptive.AdaptiveController.plain_steps_allowed`
+        over the deciding requests (no limit where none decides)."""
+        costs = self._current.costs if self._current is not None else None
+        limits = [st.controller.plain_steps_allowed(costs) for s, st in zip(steps, map(self.state, steps))
+                  if st.controller is not None and s.blocker is None]
+        return min(limits, default=1 << 30)
+
     def broke(self) -> None:
         """Something other than a decode step ran (a prefill): no cycle to time, no plan."""
         self._current = None

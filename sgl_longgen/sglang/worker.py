@@ -260,11 +260,11 @@ class SpecWorker(BaseSpecWorker):
         """Plain steps this call may queue back to back: 1 where a token needs the host before the
         next one is drawn (our contextual penalty's window, SGLang's own processing of a blocked
         request, logprobs or hidden states returned per token), else 2**(consecutive plain calls
-        before this one), at most :data:`PLAIN_RUN`, the verify width and every request's
-        remaining budget."""
+        before this one), at most :data:`PLAIN_RUN`, the verify width, every request's
+        remaining budget and the plain steps its controller allows before its next probe."""
         if batch.return_logprob:
             return 1
-        run = min(PLAIN_RUN, self.num_nodes, 1 << min(self._plain_calls, 5))
+        run = min(PLAIN_RUN, self.num_nodes, 1 << min(self._plain_calls, 5), self.adaptive.plain_run_limit(steps))
         for step in steps:
             req = step.req
             if step.blocker not in (None, SPECULATION_OFF) or step.sampling.penalty_active:

@@ -181,3 +181,56 @@ def test_a_probe_decided_before_the_last_step_is_recorded_counts_as_a_probe():
     assert ctrl.decide() == SPECULATE and ctrl.probing
     ctrl.record_spec(1, 3.0, probe=True)  # the probe did not pay: the interval grows
     assert ctrl.probes == 1 and ctrl.interval == 8
+
+
+def runs_of_plain_steps(ctrl: AdaptiveController, calls: int, committed, spec_cost: float, cap: bool) -> list[str]:
+    """An engine's calls: a plain call queues a run of plain steps that doubles with each
+    consecutive plain call (up to 32), capped by ``plain_steps_allowed`` when ``cap``."""
+    kinds, plain_calls = [], 0
+    for i in range(calls):
+        kind = ctrl.decide()
+        if kind == SPECULATE:
+            ctrl.record_spec(committed(i), spec_cost)
+            kinds.append(kind)
+            plain_calls = 0
+            continue
+        run = min(32, 1 << min(plain_calls, 5))
+        if cap:
+            run = min(run, ctrl.plain_steps_allowed())
+        plain_calls += 1
+        for _ in range(run):
+            ctrl.record_plain(PLAIN_COST)
+        kinds += [PLAIN] * run
+    return kinds
+
+
+def test_plain_runs_stop_where_a_probe_falls_due():
+    """Runs of plain steps never pass a due probe: drafts that start paying (from the third
+    speculative step on) are found as soon as the rule says, not a run of 32 later."""
+    cfg = AdaptiveConfig(probe_every=4, refresh_every=0)
+    committed = lambda i: 1 if i < 3 else 8
+
+    def first_probe(cap: bool) -> int:
+        kinds = runs_of_plain_steps(AdaptiveController(cfg), 40, committed, 2.0, cap)
+        return [i for i, k in enumerate(kinds) if k == SPECULATE][1]  # the warm-up's step is the first
+
+    # The rule: a probe once the plain steps since the last speculative one cost probe_every
+    # speculative steps (4 * 2.0 / 1.0 = 8 plain steps).
+    ctrl = AdaptiveController(cfg)
+    ctrl.record_spec(1, 2.0)
+    ctrl.record_plain(PLAIN_COST)
+    assert ctrl.plain_steps_allowed() == 7
+    for _ in range(7):
+        ctrl.record_plain(PLAIN_COST)
+    assert ctrl.decide() == SPECULATE and ctrl.probing
+    assert first_probe(cap=True) == 1 + 8  # warm-up step, 8 plain steps, the probe
+    assert first_probe(cap=False) > 1 + 8  # doubling runs overshoot it (1 + 2 + 4 + 8 = 15)
+
+
+def test_plain_steps_allowed_is_one_while_speculating_pays_or_nothing_is_measured():
+    ctrl = AdaptiveController(AdaptiveConfig())
+    assert ctrl.plain_steps_allowed() == 1  # warm-up
+    ctrl.record_spec(6, 2.0)
+    assert ctrl.plain_steps_allowed() == 1  # no plain cost yet
+    ctrl.record_plain(PLAIN_COST)
+    assert ctrl.worth() and ctrl.plain_steps_allowed() == 1  # a refresh is one step
