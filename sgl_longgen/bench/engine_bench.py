@@ -96,7 +96,9 @@ def proxy_engine_kwargs(model_dir: Path, on_cpu: bool, context: int, dtype: str 
         kw.update(device="cpu", dtype=dtype or "float32", attention_backend="longgen_torch", disable_cuda_graph=True,
                   disable_overlap_schedule=True, mem_fraction_static=0.2, max_total_tokens=max(16384, 2 * context))
     else:
-        kw.update(mem_fraction_static=0.5, cuda_graph_max_bs_decode=8)
+        # Prefill CUDA graphs would capture ~45 token counts per engine (tens of seconds each start)
+        # for prompts this short; decode graphs are what the timings need.
+        kw.update(mem_fraction_static=0.5, cuda_graph_max_bs_decode=8, cuda_graph_backend_prefill="disabled")
         if dtype is not None:
             kw["dtype"] = dtype
     return kw
