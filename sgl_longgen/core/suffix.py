@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -210,24 +211,39 @@ class SuffixIndex:
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
     ) -> SuffixDraft:
-        """The best linear draft continuing ``context`` (its last ``max_depth - 1`` tokens are used)."""
-        found = self.matches(context)
-        candidates = []
-        for p, ends in enumerate(found, 1):
+        """The best linear draft continuing ``context`` (its last ``max_depth - 1`` tokens are used):
+        over every match length p, the highest score, ties going to the longer match.
+
+        One walk per distinct occurrence set, not per p: a longer match's occurrences are a subset
+        of a shorter one's, so matches of equal counts have the same occurrences, and a walk does
+        not depend on its budget until it stops (a smaller budget's draft is a prefix of a larger
+        one's, its score the prefix's sum). On a repeating stretch every p from the loop's length
+        up shares one set, and the walks drop from one per p to one.
+        """
+        groups: list[tuple[np.ndarray, list[tuple[int, int]]]] = []  # occurrences, [(p, budget)]
+        for p, ends in enumerate(self.matches(context), 1):
             budget = min(max_spec_tokens, int(p * max_spec_factor + max_spec_offset + 1e-6))
-            if budget > 0:
-                candidates.append((budget, p, ends))
+            if budget <= 0:
+                continue
+            if groups and groups[-1][0].size == ends.size:
+                groups[-1][1].append((p, budget))
+            else:
+                groups.append((ends, [(p, budget)]))
         best = SuffixDraft()
-        # Largest budgets first (longer matches first among equals): a walk's score never exceeds
-        # its budget, so once a budget cannot beat the best score the rest are skipped.
-        candidates.sort(key=lambda c: (-c[0], -c[1]))
-        for budget, p, ends in candidates:
-            if budget < best.score or (budget == best.score and p < best.match_len):
+        # Largest budgets first (longer matches first among equals): a draft's score never exceeds
+        # its budget, so once a group's budget cannot beat the best score the rest are skipped.
+        groups.sort(key=lambda g: (-max(b for _, b in g[1]), -g[1][-1][0]))
+        for ends, members in groups:
+            top, longest = max(b for _, b in members), members[-1][0]
+            if top < best.score or (top == best.score and longest < best.match_len):
                 break
-            draft = self.walk(ends, budget, min_token_prob)
-            if draft.score > best.score or (draft.score == best.score and p > best.match_len):
-                draft.match_len = p
-                best = draft
+            walked = self.walk(ends, top, min_token_prob)
+            scores = list(accumulate(walked.probs))
+            for p, budget in members:
+                n = min(budget, len(walked.tokens))
+                score = scores[n - 1] if n else 0.0
+                if score > best.score or (score == best.score and p > best.match_len):
+                    best = SuffixDraft(walked.tokens[:n], walked.probs[:n], score, p)
         return best
 
 

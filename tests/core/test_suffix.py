@@ -191,3 +191,27 @@ def test_long_history_stays_fast():
     assert all(len(d.tokens) >= 30 for d in drafts[:20])  # the repeated block is found
     # Generous bounds for a loaded machine (typically ~0.05 s and ~3 ms).
     assert t_index < 5.0 and t_query < 0.25, (t_index, t_query)
+
+
+class CountingIndex(SuffixIndex):
+    """A suffix index that counts its walks."""
+
+    walks = 0
+
+    def walk(self, ends, budget, min_token_prob):
+        self.walks += 1
+        return super().walk(ends, budget, min_token_prob)
+
+
+def test_a_repeating_stretch_takes_one_walk_per_occurrence_set():
+    """Every match length from the loop's length up has the same occurrences: one walk serves
+    them all (the draft is the one a walk per match length would pick; the brute-force test
+    above checks the choice)."""
+    rng = random.Random(0)
+    loop = [rng.randrange(1000) for _ in range(37)]
+    history = [rng.randrange(1000, 100_000) for _ in range(2000)] + loop * 20
+    index = CountingIndex(64)
+    index.extend(history)
+    draft = index.speculate(history, 64, 2.0, 0.0, 0.1)
+    assert len(draft.tokens) == 64 and draft.tokens[:37] == loop
+    assert index.walks <= 3  # a walk per match length would be 32 here (every p >= 32 has budget 64)
