@@ -67,7 +67,8 @@ from torch import nn
 
 from ..errors import LonggenError
 from .nn import RMSNorm
-from .owl import DraftBeam, token_map_problem
+from .draft_vocab import DraftVocabulary, token_map_problem
+from .owl import DraftBeam
 from .tree import DraftTree, Source
 from .weights import (
     check_shapes,
@@ -244,7 +245,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LongSpecDrafter(nn.Module):
+class LongSpecDrafter(DraftVocabulary, nn.Module):
     """The block. ``num_heads``/``num_kv_heads``/``head_dim``: the target's (the cross-attention
     reads its K/V heads; the self-attention uses the same shape). ``window``: tokens of its own
     the self-attention sees, itself included. ``rope_theta``/``rope_scaling``: the target's,
@@ -291,26 +292,6 @@ class LongSpecDrafter(nn.Module):
                    cfg.rms_norm_eps, draft_vocab_size)
 
     # -- the reduced draft vocabulary ----------------------------------------------------------
-
-    @property
-    def reduced(self) -> bool:
-        """The drafter scores a subset of the target vocabulary (through ``token_map``)."""
-        return self.draft_vocab_size < self.vocab_size
-
-    def set_token_map(self, token_map: torch.Tensor | Sequence[int]) -> None:
-        """Fill the draft id -> target id map (validated like a checkpoint's)."""
-        if not self.reduced:
-            raise ValueError("a full-vocabulary drafter has no token map")
-        ids = torch.as_tensor(token_map)
-        problem = token_map_problem(ids, self.vocab_size, self.draft_vocab_size)
-        if problem:
-            raise ValueError(f"token map {problem}")
-        with torch.no_grad():
-            self.token_map.copy_(ids.to(torch.long))
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids of draft ids: a device-side gather, no host sync (identity when full)."""
-        return draft_ids if self.token_map is None else self.token_map[draft_ids]
 
     def with_token_map(self, token_map: torch.Tensor | Sequence[int]) -> LongSpecDrafter:
         """A copy of this drafter's block scoring only ``token_map``'s target ids (its head is still

@@ -55,6 +55,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import LonggenError
+from .draft_vocab import DraftVocabulary, token_map_problem
 from .tree import DraftTree, Source
 from .weights import check_shapes, expected_shapes, header_shapes, read_config, read_weights
 
@@ -104,7 +105,7 @@ class BiasRMSNorm(nn.Module):
         return h * self.weight + self.bias
 
 
-class OwlDrafter(nn.Module):
+class OwlDrafter(DraftVocabulary, nn.Module):
     """The sum-LSTM drafter plus, when ``spec``, the null [SPEC] state and the [SPEC] embedding.
 
     ``hidden_size``: the target's hidden size d0. ``width``: the LSTM width d (the paper uses
@@ -144,26 +145,6 @@ class OwlDrafter(nn.Module):
             self.null_spec = nn.Parameter(torch.zeros(hidden_size))
             # The [SPEC] token's input embedding for the frozen target.
             self.spec_embedding = nn.Parameter(torch.zeros(hidden_size))
-
-    @property
-    def reduced(self) -> bool:
-        """The head covers a subset of the target vocabulary (through ``token_map``)."""
-        return self.draft_vocab_size < self.vocab_size
-
-    def set_token_map(self, token_map: torch.Tensor | Sequence[int]) -> None:
-        """Fill the reduced head's draft id -> target id map (validated like a checkpoint's)."""
-        if not self.reduced:
-            raise ValueError("a full-vocabulary drafter has no token map")
-        ids = torch.as_tensor(token_map)
-        problem = token_map_problem(ids, self.vocab_size, self.draft_vocab_size)
-        if problem:
-            raise ValueError(f"token map {problem}")
-        with torch.no_grad():
-            self.token_map.copy_(ids.to(torch.long))
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids of head indices: a device-side gather, no host sync (identity when full)."""
-        return draft_ids if self.token_map is None else self.token_map[draft_ids]
 
     # -- init ----------------------------------------------------------------------------------
 
@@ -313,22 +294,6 @@ def check_drafter(directory: str | Path, hidden_size: int | None = None, vocab_s
         if problem:
             raise LonggenError(f"{weights}: tensor token_map {problem}")
     return cfg
-
-
-def token_map_problem(token_map: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> str | None:
-    """What is wrong with a draft id -> target id map, or None: N unique integer ids in [0, vocab_size)."""
-    if token_map.is_floating_point() or token_map.is_complex() or token_map.dtype == torch.bool:
-        return f"must hold integer token ids, not {token_map.dtype}"
-    if tuple(token_map.shape) != (draft_vocab_size,):
-        return f"has shape {tuple(token_map.shape)}, expected ({draft_vocab_size},)"
-    ids = token_map.to(torch.long)
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.numel():
-        return f"has ids out of range [0, {vocab_size}): {bad[:4].tolist()}"
-    uniq, counts = ids.unique(return_counts=True)
-    if uniq.numel() != ids.numel():
-        return f"lists target ids more than once: {uniq[counts > 1][:4].tolist()}"
-    return None
 
 
 def _build(cfg: dict) -> OwlDrafter:
