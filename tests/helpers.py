@@ -68,3 +68,12 @@ def fit_longspec(model: Transformer, sequences: torch.Tensor, steps: int, *, win
         opt.step()
         opt.zero_grad()
     return drafter.eval().requires_grad_(False)
+
+
+def one_error_line(res) -> str:
+    """The one ``sgl-longgen: error:`` line of a CLI run refused with exit status 2."""
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("sgl-longgen: error:")
+    return lines[0]

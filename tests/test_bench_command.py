@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from helpers import one_error_line
 from sgl_longgen.commands.eval import BASELINE, method_names
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -111,13 +112,6 @@ def test_bench_writes_json_markdown_and_png(cli, tmp_path):
     assert "| greedy θ=1.0 | tokenswift |" in md and "projected" in md
     assert "measured, dummy weights: repetitive greedy (upper bound)" in md
 
-
-def one_error_line(res) -> str:
-    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("sgl-longgen: error:")
-    return lines[0]
 
 
 def test_bench_bad_input(cli, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import one_error_line
 from sgl_longgen.core.heads import TokenSwiftHeads
 
 
@@ -53,13 +54,6 @@ def test_demo_reports_identical_outputs():
     assert row.split()[-1] == "yes"
     assert any(line.startswith("ar ") for line in lines)
 
-
-def one_error_line(res: subprocess.CompletedProcess) -> str:
-    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("sgl-longgen: error:")
-    return lines[0]
 
 
 def test_missing_model_directory(tmp_path):

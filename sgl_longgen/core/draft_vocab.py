@@ -10,8 +10,12 @@ are proposed, never how a committed token is drawn (the verify walk draws each o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import LonggenError
 
 
 def token_map_problem(token_map: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> str | None:
@@ -28,6 +32,22 @@ def token_map_problem(token_map: torch.Tensor, vocab_size: int, draft_vocab_size
     if uniq.numel() != ids.numel():
         return f"lists target ids more than once: {uniq[counts > 1][:4].tolist()}"
     return None
+
+
+def check_token_map_file(weights: Path, cfg: dict, cfg_path: Path) -> None:
+    """A reduced checkpoint's ``token_map`` tensor (``cfg``: its JSON config) is a valid map; one
+    error naming both files otherwise. N integers: cheap to read even when a server starts."""
+    if cfg.get("draft_vocab_size", cfg["vocab_size"]) >= cfg["vocab_size"]:
+        return
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            token_map = f.get_tensor("token_map")
+    except (SafetensorError, OSError) as exc:
+        raise LonggenError(f"cannot read {weights}: {exc}") from None
+    problem = token_map_problem(token_map, cfg["vocab_size"], cfg["draft_vocab_size"])
+    if problem:
+        raise LonggenError(f"{weights}: tensor token_map {problem} ({cfg_path} sets draft_vocab_size = "
+                           f"{cfg['draft_vocab_size']})")
 
 
 class DraftVocabulary:

@@ -61,13 +61,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import LonggenError
 from .nn import RMSNorm
-from .draft_vocab import DraftVocabulary, token_map_problem
+from .draft_vocab import DraftVocabulary, check_token_map_file, token_map_problem
 from .owl import DraftBeam
 from .tree import DraftTree, Source
 from .weights import (
@@ -457,16 +456,7 @@ def check_drafter(directory: str | Path, target: dict | None = None) -> dict:
     check_target(directory, cfg, target or {})
     weights = directory / WEIGHTS_FILE
     check_shapes(header_shapes(weights), expected_shapes(lambda: _build(cfg)), weights, cfg_path, exact=True)
-    if cfg.get("draft_vocab_size", cfg["vocab_size"]) < cfg["vocab_size"]:
-        try:  # N integers: cheap to read even when a server starts
-            with safe_open(str(weights), framework="pt") as f:
-                token_map = f.get_tensor("token_map")
-        except (SafetensorError, OSError) as exc:
-            raise LonggenError(f"cannot read {weights}: {exc}") from None
-        problem = token_map_problem(token_map, cfg["vocab_size"], cfg["draft_vocab_size"])
-        if problem:
-            raise LonggenError(f"{weights}: tensor token_map {problem} ({cfg_path} sets draft_vocab_size = "
-                               f"{cfg['draft_vocab_size']})")
+    check_token_map_file(weights, cfg, cfg_path)
     return cfg
 
 

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from helpers import one_error_line
 from sgl_longgen.bench import engine_bench
 from sgl_longgen.commands import bench
 
@@ -20,13 +21,6 @@ METHODS = ("ar", "ngram", "tokenswift", "owl", "howl", "longspec")
 SPECULATIVE = ("tokenswift", "owl", "howl", "longspec")
 NEW_TOKENS = 16
 
-
-def one_error_line(res) -> str:
-    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("sgl-longgen: error:")
-    return lines[0]
 
 
 def test_every_method_in_sgl_engine(cli, tmp_path):
