@@ -92,11 +92,6 @@ def longspec_target(config) -> dict:
             "rope_theta": theta, "rope_scaling": scaling}
 
 
-def check_longspec_target(path: Path, checkpoint: dict, target: dict) -> None:
-    """The drafter was built for this target (:func:`sgl_longgen.core.longspec.check_target`)."""
-    check_target(path, checkpoint, target)
-
-
 def inspect_longspec_draft_dir(path: str | Path | None, model_path: str | Path) -> DraftDir:
     """LONGSPEC: a drafter block for the target's shape and RoPE (checked against its config.json
     where the model is a local directory; the worker checks SGLang's parsed config again) and, with
@@ -105,5 +100,5 @@ def inspect_longspec_draft_dir(path: str | Path | None, model_path: str | Path) 
     path = _require(path, "LONGSPEC", "longspec.json and longspec.safetensors")
     target = target_config(model_path)
     if target:  # first: a drafter for another model is named as such, not by a tensor shape
-        check_longspec_target(path, read_longspec_config(path), longspec_target(target))
+        check_target(path, read_longspec_config(path), longspec_target(target))
     return DraftDir(path, check_longspec_drafter(path), read_defaults(path))

@@ -1,6 +1,6 @@
 """LONGSPEC's drafter on SGLang: one drafter block whose memory per request does not grow with the context.
 
-Per step the requests that draft go through one batched beam (:func:`sgl_longgen.core.longspec.expand_batch`,
+Per step the requests that draft go through one batched beam (:func:`sgl_longgen.core.longspec.expand_rings`,
 one block forward per level for the whole batch), run by the shared method
 (:class:`sgl_longgen.methods.LongSpec`: what each request's ring must be fed, the trie from the beam):
 
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from ..core.longspec import (
     Attend,
     WindowCache,
+    check_target,
     draft_head,
-    expand_batch,
     expand_rings,
     feed_rings,
     load_drafter,
@@ -48,11 +48,7 @@ from ..core.owl import DraftBeam
 from ..errors import LonggenError
 from ..methods import Draft, LongSpec, LongSpecState
 from . import compat
-from .draft_dir import (
-    check_longspec_target,
-    inspect_longspec_draft_dir,
-    longspec_target,
-)
+from .draft_dir import inspect_longspec_draft_dir, longspec_target
 from .drafter import Drafter, Shadow
 from .requests import PenaltyDefaults, StepRequest
 
@@ -272,7 +268,7 @@ class LongSpecDrafter(Drafter):
         compat.require_fields("model_config", runner.model_config)
         target = longspec_target(runner.model_config.hf_text_config)
         target["vocab_size"] = int(runner.model_config.vocab_size)
-        check_longspec_target(draft.path, draft.checkpoint, target)
+        check_target(draft.path, draft.checkpoint, target)
         model = runner.model
         if getattr(model.lm_head, "tp_size", 1) > 1:
             raise LonggenError("LONGSPEC runs with --tp-size 1 for now")
@@ -375,17 +371,21 @@ class LongSpecDrafter(Drafter):
         return _Batch(rings, attend)
 
     def _expand(self, rids, pending, starts):
+        """The rings take the pending tokens, then one beam for the batch: the graphed one on a GPU
+        (cross-attention slots padded to a fixed size), else eager over the batch's ``attend``."""
         b = self._batch
-        if b.slots is None:
-            return expand_batch(self.drafter, self.embedding, self._head, self.rope, b.rings, b.attend, pending,
-                                starts, self.widths, self.tree_size)
         roots, lengths = feed_rings(self.drafter, self.embedding, self.rope, b.rings, pending, starts)
         rings = (torch.stack([r.k for r in b.rings]), torch.stack([r.v for r in b.rings]),
                  torch.stack([r.pos for r in b.rings]))
-        tokens, parents, depths, scores, broken = self._graphed(roots, lengths, *rings, *b.slots)
+        if b.slots is None:
+            beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope, roots, lengths, *rings,
+                                        b.attend, self.widths, self.tree_size)
+        else:
+            *fields, broken = self._graphed(roots, lengths, *rings, *b.slots)
+            beam = DraftBeam(*fields)
         if bool(broken.any()):
             raise AssertionError("the cut tree is not closed under ancestors")
-        return DraftBeam(tokens, parents, depths, scores)
+        return beam
 
     def _beam(self, roots, lengths, ring_k, ring_v, ring_pos, kv_indptr, kv_indices):
         """The graphed beam's body: fixed shapes for a batch size, the pool's last-layer K/V read in place."""

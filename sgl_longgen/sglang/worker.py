@@ -264,7 +264,8 @@ class SpecWorker(BaseSpecWorker):
         remaining budget and the plain steps its controller allows before its next probe."""
         if batch.return_logprob:
             return 1
-        run = min(PLAIN_RUN, self.num_nodes, 1 << min(self._plain_calls, 5), self.adaptive.plain_run_limit(steps))
+        run = min(PLAIN_RUN, self.num_nodes, 1 << min(self._plain_calls, PLAIN_RUN.bit_length()),
+                  self.adaptive.plain_run_limit(steps))
         for step in steps:
             req = step.req
             if step.blocker not in (None, SPECULATION_OFF) or step.sampling.penalty_active:
