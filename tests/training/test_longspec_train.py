@@ -121,13 +121,17 @@ def _cli(capsys, *argv):
     return code, out.out, out.err
 
 
+def _train(capsys, tmp_path, corpus_dir, out, *extra: str):
+    """``sgl-longgen train longspec`` on tiny-random with a few seconds' settings, plus ``extra``."""
+    return _cli(capsys, "train", "longspec", "--model", "tiny-random", "--data", str(corpus_dir), "--seq-len", "24",
+                "--prompt-len", "16", "--sequences", "8", "--val-sequences", "2", "--gen-batch-size", "8",
+                "--batch-size", "4", "--max-lag", "3", "--window", "64", "--threads", "1", "--cache-dir",
+                str(tmp_path / "cache"), *extra, "--out", str(out))
+
+
 def test_train_longspec_cli_writes_a_checkpoint_generate_loads(capsys, tmp_path, corpus_dir):
     out = tmp_path / "longspec"
-    code, stdout, err = _cli(capsys, "train", "longspec", "--model", "tiny-random", "--data", str(corpus_dir),
-                             "--seq-len", "24", "--prompt-len", "16", "--sequences", "8", "--val-sequences", "2",
-                             "--gen-batch-size", "8", "--batch-size", "4", "--max-lag", "3", "--window", "64",
-                             "--log-every", "2", "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
-                             "--steps", "3", "--out", str(out))
+    code, stdout, err = _train(capsys, tmp_path, corpus_dir, out, "--log-every", "2", "--steps", "3")
     assert code == 0, err
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and summary["tokens"] == 3 * 4 * 24
@@ -193,11 +197,7 @@ def test_the_reduced_loss_is_the_cross_entropy_over_the_mapped_tokens(target):
 
 def test_train_longspec_draft_vocab_writes_a_valid_map(capsys, tmp_path, corpus_dir):
     out = tmp_path / "reduced"
-    code, stdout, err = _cli(capsys, "train", "longspec", "--model", "tiny-random", "--data", str(corpus_dir),
-                             "--seq-len", "24", "--prompt-len", "16", "--sequences", "8", "--val-sequences", "2",
-                             "--gen-batch-size", "8", "--batch-size", "4", "--max-lag", "3", "--window", "64",
-                             "--draft-vocab", "40", "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
-                             "--steps", "2", "--out", str(out))
+    code, stdout, err = _train(capsys, tmp_path, corpus_dir, out, "--draft-vocab", "40", "--steps", "2")
     assert code == 0, err
     assert "draft vocabulary 40 of 258" in err
     summary = json.loads(stdout.strip().splitlines()[-1])
