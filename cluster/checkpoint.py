@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from ..errors import LonggenError
-from .messages import Segment
+from .messages import Mark, Segment
 
 RECORDS = "records.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -83,6 +83,7 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     prompt_key: str
     tokens: list[int] = msgspec.field(default_factory=list)
     segments: list[Segment] = msgspec.field(default_factory=list)
+    timeline: list[Mark] = msgspec.field(default_factory=list)  # the engines' reports, every run
     attempts: int = 0
     error: str | None = None  # set when the generation failed; the tokens are what it produced
 

@@ -33,11 +33,31 @@ class Segment(msgspec.Struct, kw_only=True):
     engine: int = -1
     start: int = 0  # tokens already generated when this segment began
     tokens: int = 0
-    steps: int = 0  # target forwards after prefill (tau = committed tokens per step)
+    steps: int = 0  # target forwards after prefill (tau = committed tokens per step); 0: unknown
     accepted: int = 0  # accepted draft tokens
     drafted: int = 0  # draft depth offered, summed
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+
+
+class Mark(msgspec.Struct, array_like=True):
+    """One point of a generation's timeline: where it stood (``start + tokens``) after
+    ``seconds`` of decoding in the stretch that began at ``start``, and that stretch's ``steps``.
+
+    The driver keeps one per engine report (every ``checkpoint_every`` tokens or second), in the
+    checkpoint and then the record, so a 100K-token run shows its ms/token against position and a
+    resumed run keeps the marks of the runs before it. Arrays, not objects: a long run has
+    hundreds.
+    """
+
+    start: int
+    tokens: int
+    seconds: float
+    steps: int
+
+    @classmethod
+    def of(cls, seg: Segment) -> "Mark":
+        return cls(seg.start, seg.tokens, round(seg.decode_seconds, 4), seg.steps)
 
 
 class Progress(msgspec.Struct, tag=True, kw_only=True):

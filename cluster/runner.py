@@ -96,6 +96,7 @@ def run_job(job: Job, *, address: str | None = None, num_cpus: int | None = None
             ckpt = store.load(p.id)
             if ckpt is not None and ckpt.prompt_key == req.key and len(ckpt.tokens) <= job.spec.max_new_tokens:
                 req.tokens, req.segments, req.attempts = list(ckpt.tokens), list(ckpt.segments), ckpt.attempts
+                req.timeline = list(ckpt.timeline)
                 req.resumed = req.checkpointed = len(ckpt.tokens)
             elif ckpt is not None:
                 store.remove(p.id)  # another prompt under this id: start over

@@ -25,13 +25,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..errors import LonggenError
 from .checkpoint import Checkpoint, CheckpointStore, RecordHead, RecordLog
 from .engines import actor_class
-from .messages import EngineInfo, Finished, Progress, Segment, Task
+from .messages import EngineInfo, Finished, Mark, Progress, Segment, Task
 from .placement import strategy
 from .progress import BatchProgress
 from .prompts import Prompt
@@ -48,6 +49,7 @@ class Request:
     key: str  # digest of the prompt's content (a checkpoint of another prompt is stale)
     tokens: list[int] = field(default_factory=list)  # generated so far
     segments: list[Segment] = field(default_factory=list)  # closed stretches of decoding
+    timeline: list[Mark] = field(default_factory=list)  # the engines' reports, every run
     attempts: int = 0  # over all runs
     tries: int = 0  # in this run
     resumed: int = 0  # tokens this run took from an earlier run's checkpoint
@@ -216,12 +218,13 @@ class Scheduler:
     def _checkpoint(self, req: Request, error: str | None = None) -> None:
         segments = req.segments + ([req.running] if req.running is not None and req.running.tokens else [])
         self.store.save(Checkpoint(id=req.id, prompt_key=req.key, tokens=req.tokens, segments=segments,
-                                   attempts=req.attempts, error=error))
+                                   timeline=req.timeline, attempts=req.attempts, error=error))
         req.checkpointed = len(req.tokens)
 
     def _on_progress(self, slot: Slot, req: Request, msg: Progress) -> None:
         req.tokens.extend(msg.new_tokens)
         req.running = msg.segment
+        req.timeline.append(Mark.of(msg.segment))
         slot.tokens += len(msg.new_tokens)
         self.generated += len(msg.new_tokens)
         if len(req.tokens) - req.checkpointed >= self.spec.checkpoint_every:
@@ -233,6 +236,7 @@ class Scheduler:
         slot.tokens += len(msg.new_tokens)
         self.generated += len(msg.new_tokens)
         req.running = msg.segment
+        req.timeline.append(Mark.of(msg.segment))
         req.close_segment()
         slot.finished += 1
         if msg.finish_reason == "error":
@@ -252,7 +256,7 @@ class Scheduler:
         else:
             self.finished_ok += 1
             self.store.remove(req.id)
-        req.tokens, req.segments = [], []  # on disk now: the driver keeps no finished tokens
+        req.tokens, req.segments, req.timeline = [], [], []  # on disk now: the driver keeps no finished tokens
 
     def _engine_lost(self, slot: Slot, exc: BaseException) -> None:
         """The actor is gone: save what its requests streamed, requeue them, refill the slot."""
@@ -391,11 +395,12 @@ class Scheduler:
         return out
 
 
-def accept_length(segments: list[Segment]) -> float:
-    """tau over all stretches: tokens committed by target forwards / forwards (first token excluded)."""
+def accept_length(segments: list[Segment]) -> float | None:
+    """tau over the stretches whose steps are known: tokens committed by target forwards / forwards
+    (first token excluded); None when no stretch's are (a speculative one an engine did not finish)."""
     steps = sum(s.steps for s in segments)
     committed = sum(max(s.tokens - 1, 0) for s in segments if s.steps)
-    return committed / steps if steps else 1.0
+    return committed / steps if steps else None
 
 
 def make_record(job: Job, req: Request, finish_reason: str, error: str | None, text: str | None,
@@ -424,5 +429,7 @@ def make_record(job: Job, req: Request, finish_reason: str, error: str | None, t
         "resumed_tokens": req.resumed,
         "attempts": req.attempts,
         "segments": [{"engine": s.engine, "start": s.start, "tokens": s.tokens, "steps": s.steps} for s in segs],
+        # [start, tokens, decode seconds, steps] of each stretch at each engine report: ms/token by position.
+        "timeline": [list(msgspec.structs.astuple(m)) for m in req.timeline],
         "stats": extra or {},
     }

@@ -373,9 +373,12 @@ def measure_engine(engine, method: str, contexts: list[int], batches: list[int],
 
 
 def run_step_costs(args: argparse.Namespace, methods: list[str], shapes: dict[str, dict],
-                   save: Callable[[list[dict]], None]) -> list[dict]:
-    """Measured ms/step (ms/token for plain decoding) per shape, method, context and batch."""
-    rows: list[dict] = []
+                   save: Callable[[list[dict]], None], done: list[dict] | None = None) -> list[dict]:
+    """Measured ms/step (ms/token for plain decoding) per shape, method, context and batch.
+
+    ``done``: rows a stopped run measured; their (shape, method) engines are not started again."""
+    rows: list[dict] = list(done or [])
+    finished = {(r["shape"], r["method"]) for r in rows}
     root = Path(tempfile.mkdtemp(prefix="longgen_bench_costs_"))
     order = [m for m in methods if m != "ngram"] + [m for m in methods if m == "ngram"]  # see run_acceptance
     started = time.perf_counter()
@@ -384,10 +387,14 @@ def run_step_costs(args: argparse.Namespace, methods: list[str], shapes: dict[st
         print(f"[{time.perf_counter() - started:6.0f} s] {line}", flush=True)
 
     for name, config in shapes.items():
+        todo = [m for m in order if (name, m) not in finished]
+        if not todo:
+            log(f"{name}: every method measured by the stopped run")
+            continue
         log(f"{name}: dummy weights and random drafters")
         model, drafts = dummy_drafts(root / name, name, config, methods)
         kw = dummy_engine_kwargs(model, max(args.contexts), args.batches)
-        for method in order:
+        for method in todo:
             log(f"{name} {method} ({ALGORITHMS[method] or 'plain decoding'}): starting the engine")
             try:
                 got = with_engine(with_method(kw, method, drafts.get(method)), False,

@@ -111,6 +111,10 @@ def add_parser(sub) -> None:
                    help="concurrent requests of the step costs (default: 1 4)")
     s.add_argument("--step-tokens", type=int, default=32, metavar="N",
                    help="new tokens per timed request of the step costs (default 32)")
+    p.add_argument("--resume", action="store_true",
+                   help="--engine sglang: continue a run that was stopped (a time limit, a lost host) from the "
+                        "bench.json it left in --out, written by the same command: its acceptance rows, if "
+                        "complete, and the step costs of every shape and method already measured are kept")
     p.set_defaults(run=run, bench_parser=p)
 
 
@@ -533,7 +537,7 @@ def command_line(args: argparse.Namespace) -> str:
     parser = getattr(args, "bench_parser", None)
     words = ["sgl-longgen", "bench"]
     for action in (parser._actions if parser is not None else []):
-        if not action.option_strings or action.dest in ("help",):
+        if not action.option_strings or action.dest in ("help", "resume"):
             continue
         value = getattr(args, action.dest, None)
         if value is None or value == action.default or value is False:
@@ -562,6 +566,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if bad:
         raise LonggenError(f"--penalties: theta must be >= 1.0 (1.0 = off), got {bad[0]}")
     if not sglang:
+        if args.resume:
+            raise LonggenError("--resume continues an --engine sglang run (the reference runtime's bench is quick)")
         if args.step_costs:
             raise LonggenError("--step-costs measures each method inside sgl.Engine: add --engine sglang")
         return methods
@@ -623,10 +629,35 @@ def engine_drafts(args: argparse.Namespace, model_dir: Path) -> dict[str, Path |
             "longspec": args.longspec_drafter or default_longspec_dir(model_dir)}
 
 
+def previous_run(args: argparse.Namespace, methods: list[str]) -> dict:
+    """``--resume``: what the stopped run of the same command left in ``--out/bench.json``: its
+    acceptance rows when every method has them, and its step-cost rows that measured something."""
+    path = args.out / "bench.json"
+    if not args.resume or not path.is_file():
+        return {}
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise LonggenError(f"--resume: {path} is not valid JSON ({exc}); remove it to start over") from None
+    if old.get("command") != command_line(args):
+        raise LonggenError(f"--resume: {path} was written by another command ({old.get('command')!r}); use the same "
+                           "flags, or another --out")
+    kept: dict[str, Any] = {}
+    rows = old.get("acceptance") or []
+    if rows and all(any(r["method"] == m and r["setting"] == s for r in rows)
+                    for m in methods for s in old.get("settings", [])):
+        kept.update(acceptance=rows, records=old.get("records", []))
+    measured = [r for r in (old.get("step_costs") or {}).get("measured", []) if "context" in r]
+    if measured:
+        kept["measured"] = measured
+    return kept
+
+
 def run_engine(args: argparse.Namespace, methods: list[str], gpu: dict | None) -> tuple[dict, int]:
     """``--engine sglang``: the acceptance part in sgl.Engine, then the step costs when asked."""
     from ..runtime import resolve_model
 
+    previous = previous_run(args, methods)
     model_dir = resolve_model(args.model)
     on_cpu = engine_bench.prepare_engine()
     result: dict[str, Any] = {
@@ -643,9 +674,14 @@ def run_engine(args: argparse.Namespace, methods: list[str], gpu: dict | None) -
         result.update(acceptance=rows, records=records, settings=list(dict.fromkeys(r["setting"] for r in rows)))
         save(args, result)
 
-    rows, _ = engine_bench.run_acceptance(args, methods, prompts, model_dir, engine_drafts(args, model_dir), settings,
-                                          setting_label, eval_cmd.distinct_n, eval_cmd.DISTINCT_N, on_cpu, save_rows)
-    save_rows(rows, result.get("records", []))
+    if "acceptance" in previous:
+        rows = previous["acceptance"]
+        print(f"== acceptance: kept from the stopped run in {args.out / 'bench.json'}", flush=True)
+    else:
+        rows, _ = engine_bench.run_acceptance(args, methods, prompts, model_dir, engine_drafts(args, model_dir),
+                                              settings, setting_label, eval_cmd.distinct_n, eval_cmd.DISTINCT_N,
+                                              on_cpu, save_rows)
+    save_rows(rows, previous.get("records", result.get("records", [])))
     if gpu is not None:
         result["projection"] = project(gpu, [r for r in rows if r.get("tau")])
     if args.step_costs:
@@ -666,7 +702,7 @@ def run_engine(args: argparse.Namespace, methods: list[str], gpu: dict | None) -
             costs.update(measured=measured, projected=engine_bench.project(measured, rows))
             save(args, result)
 
-        save_costs(engine_bench.run_step_costs(args, methods, shapes, save_costs))
+        save_costs(engine_bench.run_step_costs(args, methods, shapes, save_costs, previous.get("measured", [])))
     mismatch = any(r["identical"] is False for r in rows)
     failed = any(r.get("error") and not r["error"].startswith("not run:") for r in rows)
     if mismatch:

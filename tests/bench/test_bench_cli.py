@@ -18,7 +18,7 @@ import pytest
 from sgl_longgen.bench import gpu_check
 from sgl_longgen.sglang.timing import STEPS_PARAM, TIMING_PARAM
 
-TOOLS = ("gpu_check", "kernels", "engine_check", "compile_report")
+TOOLS = ("gpu_check", "kernels", "engine_check", "compile_report", "long_run")
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess:

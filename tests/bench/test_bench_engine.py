@@ -66,6 +66,19 @@ def test_every_method_in_sgl_engine(cli, tmp_path):
     assert "inside sgl.Engine" in md and "| greedy θ=1.0 | tokenswift | 16 |" in md
     assert "No step costs: give --step-costs" in md
 
+    # --resume (the same command): complete acceptance rows are kept, no engine starts again.
+    again = cli("bench", "--engine", "sglang", "--out", str(out), "--max-new-tokens", str(NEW_TOKENS),
+                "--num-prompts", "1", "--penalties", "1.0", "--methods", *METHODS, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "acceptance: kept from the stopped run" in again.stdout
+    assert "== ar (plain decoding) in sgl.Engine" not in again.stdout and "== tokenswift" not in again.stdout
+    resumed = json.loads((out / "bench.json").read_text())
+    assert resumed["acceptance"] == rows and resumed["command"] == report["command"]
+    # Another command's bench.json is not continued.
+    line = one_error_line(cli("bench", "--engine", "sglang", "--out", str(out), "--max-new-tokens", "8",
+                              "--num-prompts", "1", "--penalties", "1.0", "--methods", *METHODS, "--resume"))
+    assert "--resume" in line and "another command" in line
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refused on machines without CUDA")
 def test_step_costs_refused_without_cuda(cli, tmp_path):
@@ -88,6 +101,25 @@ def test_bad_engine_input(cli, tmp_path):
     line = one_error_line(cli("bench", "--methods", "ngram", "--out", str(out)))  # the runtime has no NGRAM
     assert "unknown method 'ngram'" in line
     assert not out.exists()
+
+
+def test_resume_refused_for_the_reference_runtime(cli, tmp_path):
+    line = one_error_line(cli("bench", "--resume", "--out", str(tmp_path / "b")))
+    assert "--resume" in line and "--engine sglang" in line
+
+
+def test_step_costs_start_no_engine_for_what_a_stopped_run_measured(tmp_path):
+    """Rows of every (shape, method) from the stopped run: nothing to start (no model is built,
+    no engine opened: that would fail here without CUDA), the rows come back as they were."""
+    import argparse
+
+    done = [measured(shape, method, c, 1, 5.0, steps=None if method == "ar" else 4)
+            for shape in ("llama8b", "qwen7b") for method in ("ar", "tokenswift") for c in (4096, 98304)]
+    saved = []
+    args = argparse.Namespace(contexts=[4096, 98304], batches=[1], step_tokens=8)
+    got = engine_bench.run_step_costs(args, ["ar", "tokenswift"], engine_bench.parse_shapes(["llama8b", "qwen7b"]),
+                                      saved.append, done)
+    assert got == done and not saved
 
 
 def test_qwen_shape_and_shape_names():

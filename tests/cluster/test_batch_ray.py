@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import ray
 
@@ -169,6 +170,13 @@ def test_driver_killed_then_resumed(ray_cluster, tmp_path, oracle):
         rerun_segments = r["segments"][len(ckpts[rid].segments):]
         assert rerun_segments[0]["start"] == len(toks)
         assert sum(seg["tokens"] for seg in rerun_segments) == N - len(toks)
+        # The timeline keeps the killed run's marks and goes on from the checkpoint.
+        kept = [list(msgspec.structs.astuple(m)) for m in ckpts[rid].timeline]
+        assert kept and r["timeline"][: len(kept)] == kept
+        later = r["timeline"][len(kept):]
+        assert later[0][0] == len(toks) and later[-1][0] + later[-1][1] == N
+        positions = [m[0] + m[1] for m in r["timeline"]]
+        assert positions == sorted(positions)
     # The engines of the second run generated exactly the missing tokens: none before the kill again.
     summary = json.loads((out / "summary.json").read_text())
     missing = sum(N - len(saved.get(p["id"], [])) for p in PROMPTS if p["id"] not in done_before)

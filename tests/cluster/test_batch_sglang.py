@@ -60,6 +60,13 @@ def test_sglang_engine_actor_with_tokenswift(ray_cluster, tmp_path, oracle):
         assert r["runtime"] == "sglang" and r["finish_reason"] == "length", r
         assert r["output_ids"] == oracle[rid], f"{rid}: SGLang + TOKENSWIFT differs from plain greedy decoding"
         assert r["accept_length"] > 1.0  # SGLang's spec_verify_ct made it into the record: it speculated
+        # The timeline: one mark per engine report, the last one at the end of the generation. SGLang
+        # reports verify counts with a request's last chunk only, so only that mark knows its steps.
+        marks = r["timeline"]
+        start = RESUME_AT if rid == "story" else 0
+        assert marks and all(m[0] == start for m in marks), marks
+        assert marks[-1][0] + marks[-1][1] == N and marks[-1][3] > 0, marks
+        assert all(m[3] == 0 for m in marks[:-1]), marks
     assert records["story"]["resumed_tokens"] == RESUME_AT
     assert records["story"]["segments"][-1]["start"] == RESUME_AT
     assert summary["run"]["tokens_generated"] == 3 * N - RESUME_AT
