@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import types
+
 import torch
 
 from sgl_longgen.core.longspec import LongSpecDrafter
@@ -77,3 +80,27 @@ def one_error_line(res) -> str:
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("sgl-longgen: error:")
     return lines[0]
+
+
+def gc_tracked_reachable(root) -> int:
+    """Objects reachable from ``root`` that Python's garbage collector tracks, once its young
+    generations have looked at them (as they do within a few hundred allocations: tuples of ints
+    are untracked then; dicts stay tracked until a full collection).
+
+    Every such object survives into the oldest generation and is traversed again by each full
+    collection of the process, so a structure that grows by one per indexed token makes a serving
+    process's full collections both more frequent and longer. Classes, modules and functions are
+    not followed (they lead to the whole heap).
+    """
+    gc.collect(1)
+    seen, stack, tracked = {id(root)}, [root], 0
+    while stack:
+        obj = stack.pop()
+        tracked += gc.is_tracked(obj)
+        for ref in gc.get_referents(obj):
+            if isinstance(ref, (type, types.ModuleType, types.FunctionType)):
+                continue
+            if id(ref) not in seen:
+                seen.add(id(ref))
+                stack.append(ref)
+    return tracked

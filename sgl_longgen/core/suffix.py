@@ -28,7 +28,10 @@ occurrences and keeps the positions of the chosen one. Costs:
   run. On a 100K-token history a query takes well under a millisecond to a few milliseconds.
 
 Memory is about 16 bytes per indexed token (the token and its position entry; up to twice that
-while the arrays grow). Several sequences can
+while the arrays grow). The index holds numpy arrays and ints only, one array per distinct token and
+no Python object per token or per occurrence list: the garbage collector tracks none of them, so
+indexing a 100K-token prompt of a 128K vocabulary does not add tens of thousands of objects to
+every full collection of the serving process (nor trigger one). Several sequences can
 share one index (the global index over past outputs): they are separated by a sentinel that no
 context contains, so matches and walks never cross a boundary.
 """
@@ -95,7 +98,10 @@ class SuffixIndex:
             raise ValueError("max_depth must be at least 2")
         self.max_depth = max_depth
         self._seq = _Growable(1024)
-        self._ends: dict[int, _Growable] = {}
+        # token -> its end positions, in an array with room to grow, and how many there are.
+        # Arrays and ints only: the garbage collector tracks neither (see the module docstring).
+        self._ends: dict[int, np.ndarray] = {}
+        self._sizes: dict[int, int] = {}
 
     def __len__(self) -> int:
         return self._seq.size
@@ -116,22 +122,32 @@ class SuffixIndex:
             sorted_tokens = arr[order]
             cuts = np.flatnonzero(np.diff(sorted_tokens)) + 1
             for group in np.split(order, cuts):
-                tok = int(arr[group[0]])
-                self._entry(tok).extend(ends[group])
+                self._append(int(arr[group[0]]), ends[group])
         else:
             for tok, e in zip(arr.tolist(), ends.tolist()):
-                self._entry(tok).append(e)
+                self._append(tok, e)
 
     def end_sequence(self) -> None:
         """Close the current sequence: the next tokens start a new one."""
         if self._seq.size and self._seq.data[self._seq.size - 1] != SENTINEL:
             self._seq.append(SENTINEL)
 
-    def _entry(self, tok: int) -> _Growable:
-        entry = self._ends.get(tok)
-        if entry is None:
-            entry = self._ends[tok] = _Growable()
-        return entry
+    def _append(self, tok: int, ends) -> None:
+        """Append end positions (an int or an array) to ``tok``'s, in amortised O(1) per position."""
+        n = 1 if isinstance(ends, int) else ends.shape[0]
+        data = self._ends.get(tok)
+        size = self._sizes.get(tok, 0)
+        if data is None or size + n > data.shape[0]:
+            grown = np.empty(max(8, 2 * size, size + n), dtype=np.int64)
+            if size:
+                grown[:size] = data[:size]
+            data = self._ends[tok] = grown
+        data[size : size + n] = ends
+        self._sizes[tok] = size + n
+
+    def _occurrences(self, tok: int) -> np.ndarray | None:
+        data = self._ends.get(tok)
+        return None if data is None else data[: self._sizes[tok]]
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -145,12 +161,11 @@ class SuffixIndex:
         out: list[np.ndarray] = []
         if not ctx:
             return out
-        entry = self._ends.get(int(ctx[-1]))
-        if entry is None:
+        ends = self._occurrences(int(ctx[-1]))
+        if ends is None:
             return out
         seq = self._seq.view()
         n = seq.shape[0]
-        ends = entry.view()
         for p in range(1, len(ctx) + 1):
             if p > 1:
                 ends = ends[ends >= p]

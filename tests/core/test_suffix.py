@@ -73,8 +73,8 @@ def test_drafts_match_the_brute_force_semantics(seed):
     for _ in range(40):
         vocab = rng.randint(2, 6)
         D = rng.choice([3, 5, 8, 64])
-        params = dict(max_spec_tokens=rng.choice([4, 16, 64]), max_spec_factor=rng.choice([0.5, 1.0, 2.0, 4.0]),
-                      max_spec_offset=rng.choice([0.0, 1.0]), min_token_prob=rng.choice([0.0, 0.1, 0.4]))
+        params = {"max_spec_tokens": rng.choice([4, 16, 64]), "max_spec_factor": rng.choice([0.5, 1.0, 2.0, 4.0]),
+                  "max_spec_offset": rng.choice([0.0, 1.0]), "min_token_prob": rng.choice([0.0, 0.1, 0.4])}
         index = SuffixIndex(D)
         arr: list[int] = []
         for part in range(rng.randint(1, 3)):  # several sequences: the global index's layout
@@ -215,3 +215,21 @@ def test_a_repeating_stretch_takes_one_walk_per_occurrence_set():
     draft = index.speculate(history, 64, 2.0, 0.0, 0.1)
     assert len(draft.tokens) == 64 and draft.tokens[:37] == loop
     assert index.walks <= 3  # a walk per match length would be 32 here (every p >= 32 has budget 64)
+
+
+def test_the_index_holds_no_object_the_collector_tracks_per_token():
+    """Indexing 20K tokens of a large vocabulary (thousands of distinct tokens, each with its own
+    occurrence array) leaves a handful of objects for the garbage collector, not one per token."""
+    from helpers import gc_tracked_reachable
+
+    rng = random.Random(4)
+    seq = random_sequence(rng, 20_000, 50_000)
+    bulk, step = SuffixIndex(32), SuffixIndex(32)
+    bulk.extend(seq)
+    for i in range(0, len(seq), 3):
+        step.extend(seq[i : i + 3])
+    assert len(bulk._ends) > 5_000
+    assert gc_tracked_reachable(bulk) <= 8 and gc_tracked_reachable(step) <= 8
+    for cut in (1000, 19_999, 20_000):
+        a, b = bulk.speculate(seq[:cut], 32, 2.0), step.speculate(seq[:cut], 32, 2.0)
+        assert (a.tokens, a.score) == (b.tokens, b.score)

@@ -5,7 +5,12 @@ from sgl_longgen.core.heads import TokenSwiftHeads
 from sgl_longgen.core.ngram import NgramPool
 from sgl_longgen.core.penalty import apply_penalty
 from sgl_longgen.core.sampling import LogitsProcessor
-from sgl_longgen.core.tokenswift import candidate_count, draft_trie, head_candidates, rank_candidates
+from sgl_longgen.core.tokenswift import (
+    candidate_count,
+    draft_trie,
+    head_candidates,
+    rank_candidates,
+)
 from sgl_longgen.core.tree import Source
 
 
@@ -63,3 +68,31 @@ def test_draft_trie_merges_the_head_tree_with_ngram_continuations():
     assert paths[(1, 5, 3)] == Source.HEADS
     assert paths[(1, 2, 4)] == Source.NGRAM and paths[(1, 9, 9)] == Source.NGRAM
     assert len(draft_trie(8, [[1], [2, 5], [3]], [1, 2, 1], pool, max_nodes=4)) == 4
+
+
+def test_a_requests_state_adds_no_collector_tracked_objects_as_its_history_grows():
+    """TokenSwift's per-request state (n-gram pool, suffix index, partial KV) after indexing a
+    prompt holds as many garbage-collector-tracked objects at 20K tokens as at 2K, and the
+    per-step indexing adds none: a serving process's full collections do not grow with the
+    context, nor come more often, and a long prompt cannot trigger one."""
+    import random
+
+    from helpers import gc_tracked_reachable
+
+    from sgl_longgen.config import GenerateConfig
+    from sgl_longgen.methods import TokenSwift
+
+    cfg = GenerateConfig()
+    method = TokenSwift(cfg.tokenswift, cfg.suffix)
+    rng = random.Random(0)
+    tracked = []
+    for length in (2_000, 20_000):
+        history = [rng.randrange(100_000) for _ in range(length)]
+        state = method.start(length)
+        method.index(state, history, cfg.sampling)
+        for _ in range(50):  # steps: a few committed tokens each
+            history += [rng.randrange(100_000) for _ in range(3)]
+            method.index(state, history, cfg.sampling)
+        assert len(state.pool) > length - 10
+        tracked.append(gc_tracked_reachable(state))
+    assert tracked[0] == tracked[1] <= 32, tracked

@@ -1,11 +1,12 @@
 import random
 
 import numpy as np
+import pytest
 import torch
+from helpers import path_nodes
 
 from sgl_longgen.core.ngram import NgramPool
 from sgl_longgen.core.tree import DraftTree, Source, bits_to_rows, cartesian_rows
-from helpers import path_nodes
 
 
 def test_paths_merge_into_one_node_per_distinct_prefix():
@@ -113,14 +114,14 @@ def test_ngram_pool_extends_incrementally_and_honours_the_limit():
     step = NgramPool(n=3)
     for end in range(len(seq) + 1):
         step.extend(seq[:end])
-    assert step._table == whole._table
+    assert step.counts() == whole.counts()
     limited = NgramPool(n=3)
     limited.extend(seq, limit=5)  # only n-grams inside seq[:5]
     assert limited.lookup(1) == [(2, 3)]
     assert limited.lookup(3) == [(4, 1)]
     assert limited.lookup(4) == []
     limited.extend(seq)
-    assert limited._table == whole._table
+    assert limited.counts() == whole.counts()
 
 
 def test_ngram_pool_kept_best_list_matches_a_full_ranking():
@@ -134,16 +135,47 @@ def test_ngram_pool_kept_best_list_matches_a_full_ranking():
     pool = NgramPool(n=3, top_k=4)
     for end in range(0, len(seq) + 1, 7):
         pool.extend(seq, limit=end)
-        for first, conts in pool._table.items():
+        for first, conts in pool.counts().items():
             want = [c for c, _ in heapq.nlargest(4, conts.items(), key=lambda kv: kv[1])]
             assert pool.lookup(first) == want
             assert pool.lookup(first, k=2) == want[:2]
     assert pool.lookup(0, k=10) == [c for c, _ in heapq.nlargest(
-        10, pool._table[0].items(), key=lambda kv: (kv[1][0], kv[1][1]))]
+        10, pool.counts()[0].items(), key=lambda kv: (kv[1][0], kv[1][1]))]
     assert NgramPool(n=3, top_k=0).lookup(0) == []
     bulk = NgramPool(n=3, top_k=4)  # a prompt-sized extend ranks each first token once
     bulk.extend(seq[:1000])
     bulk.extend(seq[:1010])
     bulk.extend(seq)
-    for first, conts in bulk._table.items():
+    for first, conts in bulk.counts().items():
         assert bulk.lookup(first) == [c for c, _ in heapq.nlargest(4, conts.items(), key=lambda kv: kv[1])]
+
+
+def test_ngram_pool_packs_its_ngrams_into_ints_the_collector_never_tracks():
+    """A 20K-token history of a large vocabulary leaves the pool's few containers as the only
+    objects the garbage collector tracks (tuples and one dict per first token would be thousands),
+    and packing keeps every continuation, count and lookup exact, large token ids included."""
+    import gc
+
+    from helpers import gc_tracked_reachable
+
+    rng = random.Random(0)
+    seq = [rng.randrange(1 << 31) if rng.random() < 0.01 else rng.randrange(50_000) for _ in range(20_000)]
+    gc.disable()  # no full collection may untrack anything while the pool is built
+    try:
+        pool = NgramPool(n=4, top_k=20)
+        pool.extend(seq[:5_000])
+        for end in range(5_000, len(seq) + 1, 3):  # the per-step path too
+            pool.extend(seq, limit=end)
+    finally:
+        gc.enable()
+    assert len(pool) > 15_000
+    assert gc_tracked_reachable(pool) <= 8
+    want: dict = {}
+    for i in range(len(seq) - 3):
+        count, _ = want.setdefault(seq[i], {}).get(tuple(seq[i + 1 : i + 4]), (0, 0))
+        want[seq[i]][tuple(seq[i + 1 : i + 4])] = (count + 1, i)
+    assert pool.counts() == want
+    big = next(t for t in seq if t >= 1 << 30)
+    assert pool.lookup(big) == [c for c, _ in sorted(want[big].items(), key=lambda kv: kv[1], reverse=True)][:20]
+    with pytest.raises(ValueError, match="n-gram tokens"):
+        NgramPool(n=3).extend([1, -2, 3, 4])
