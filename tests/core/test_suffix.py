@@ -15,12 +15,15 @@ from sgl_longgen.core.suffix import SENTINEL, SuffixCache, SuffixIndex
 
 
 def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: int, factor: float,
-                offset: float, min_prob: float) -> tuple[list[int], float, int]:
+                offset: float, min_prob: float, own: bool = False, loop_min: int = 0) -> tuple[list[int], float, int]:
     """The suffix tree's path draft, computed by scanning the whole array each time.
 
     count(g) = occurrences of g; a step goes to the most frequent continuation (ties: the one
     seen last), prob *= count(g + t) / count(g); matches up to max_depth - 1 tokens; budget
     min(max_tokens, factor * p + offset); the best score wins, ties to the longer match.
+    ``own`` (the context is arr's own tail): the walk reads arr followed by the tokens drafted so
+    far, and a pattern whose latest earlier copy is at most p back, spanning p + back >=
+    ``loop_min`` tokens (``loop_min`` > 0), gets the budget max_tokens.
     """
     n = len(arr)
     ctx = context[-(max_depth - 1):]
@@ -31,12 +34,16 @@ def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: 
         if not ends:
             break
         budget = min(max_tokens, int(p * factor + offset + 1e-6))
+        mine = own and ends[-1] == n
+        if mine and loop_min and len(ends) > 1 and n - ends[-2] <= p and p + n - ends[-2] >= loop_min:
+            budget = max_tokens
         tokens, score, prob, count = [], 0.0, 1.0, len(ends)
         while len(tokens) < budget:
+            seq = arr + tokens if mine else arr
             stats: dict[int, list[int]] = {}
             for e in ends:
-                if e < n and arr[e] != SENTINEL:
-                    entry = stats.setdefault(arr[e], [0, -1])
+                if e < len(seq) and seq[e] != SENTINEL:
+                    entry = stats.setdefault(seq[e], [0, -1])
                     entry[0] += 1
                     entry[1] = max(entry[1], e)
             if not stats:
@@ -48,7 +55,7 @@ def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: 
             prob = prob * c / count
             tokens.append(tok)
             score += prob
-            ends = [e + 1 for e in ends if e < n and arr[e] == tok]
+            ends = [e + 1 for e in ends if e < len(seq) and seq[e] == tok]
             count = c
         if tokens and (score > best[1] or (score == best[1] and p > best[2])):
             best = (tokens, score, p)
@@ -86,10 +93,14 @@ def test_drafts_match_the_brute_force_semantics(seed):
             arr.extend(seq)
         own_tail = [t for t in arr[-20:] if t != SENTINEL]  # a local query: the context is indexed
         foreign = random_sequence(rng, 12, vocab)  # a global query: it is not
-        for context in (own_tail, foreign):
-            draft = index.speculate(context, **params)
+        loop_min = rng.choice([0, 2, 8])
+        queries = [(own_tail, False), (foreign, False), (foreign, True)]
+        if SENTINEL not in arr[-20:]:  # the request's own index: the context is its tail
+            queries.append((own_tail, True))
+        for context, own in queries:
+            draft = index.speculate(context, **params, own=own, loop_min_tokens=loop_min)
             tokens, score, p = brute_force(arr, context, D, params["max_spec_tokens"], params["max_spec_factor"],
-                                           params["max_spec_offset"], params["min_token_prob"])
+                                           params["max_spec_offset"], params["min_token_prob"], own, loop_min)
             assert draft.tokens == tokens
             assert draft.score == pytest.approx(score)
             if tokens:
@@ -198,9 +209,9 @@ class CountingIndex(SuffixIndex):
 
     walks = 0
 
-    def walk(self, ends, budget, min_token_prob):
+    def walk(self, ends, budget, min_token_prob, own=False):
         self.walks += 1
-        return super().walk(ends, budget, min_token_prob)
+        return super().walk(ends, budget, min_token_prob, own)
 
 
 def test_a_repeating_stretch_takes_one_walk_per_occurrence_set():
