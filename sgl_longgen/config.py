@@ -181,7 +181,8 @@ class SuffixConfig(Strict):
     history also reads its draft as history (a stretch seen once is drafted past the history's
     end), and a context ending in back-to-back copies of a period over at least
     ``loop_min_tokens`` tokens (a loop) drafts up to ``max_spec_tokens`` whatever its match length
-    (0: no loop rule); OWL's HOWL only (TokenSwift's suffix path keeps the factor budget).
+    (0: no loop rule). Both apply to HOWL's chains; TokenSwift's suffix path reads the history
+    alone with the factor budget.
     """
 
     max_depth: Annotated[int, Meta(ge=2, le=1024)] = 64

@@ -226,3 +226,42 @@ def test_a_repeating_stretch_takes_one_walk_per_occurrence_set():
     draft = index.speculate(history, 64, 2.0, 0.0, 0.1)
     assert len(draft.tokens) == 64 and draft.tokens[:37] == loop
     assert index.walks <= 3  # a walk per match length would be 32 here (every p >= 32 has budget 64)
+
+
+@pytest.mark.parametrize("period", [1, 2, 7, 19, 40])
+def test_a_loop_seen_twice_fills_the_budget(period):
+    """Two back-to-back copies of a period at the end of a request's history: the chain is the
+    loop, as long as ``max_spec_tokens``, with a score above HOWL's threshold. Read from the
+    history alone it would stop where the history does (``period`` tokens at most) or at the
+    match's factor budget (``2 * period``)."""
+    rng = random.Random(period)
+    loop = [rng.randrange(1000) for _ in range(period)]
+    copies = 2 if 2 * period >= 8 else -(-8 // period)  # at least loop_min_tokens (8) tokens
+    history = [rng.randrange(1000, 100_000) for _ in range(3000)] + loop * copies
+    cache = SuffixCache(SuffixConfig())
+    cache.start_request("r", history)
+    draft = cache.speculate("r", history)
+    assert draft.tokens == (loop * 64)[:64]
+    assert draft.score > 9.0  # HowlConfig's default threshold: a linear round
+    # Without the loop budget the factor still caps it (2 * match length), the draft past the
+    # history's end still reads the loop.
+    plain = SuffixCache(SuffixConfig(loop_min_tokens=0))
+    plain.start_request("r", history)
+    capped = plain.speculate("r", history)
+    assert capped.tokens == (loop * 64)[: len(capped.tokens)] and len(capped.tokens) == min(64, 2 * capped.match_len)
+
+
+def test_a_long_loop_is_drafted_in_one_walk_and_fast():
+    """A loop of 20K tokens after a 98K-token history: every match length shares the loop's
+    continuation, and the pattern with the most copies reaches the most any walk could score."""
+    rng = np.random.default_rng(1)
+    loop = rng.integers(0, 128_000, 3).tolist()
+    history = rng.integers(0, 128_000, 98_304).tolist() + loop * 7000
+    index = CountingIndex(64)
+    index.extend(history)
+    t = time.perf_counter()
+    draft = index.speculate(history, 64, 2.0, 0.0, 0.1, own=True, loop_min_tokens=8)
+    elapsed = time.perf_counter() - t
+    assert draft.tokens == (loop * 30)[len(history) % 3 : len(history) % 3 + 64]
+    assert index.walks == 1
+    assert elapsed < 0.25, elapsed  # typically a few ms
