@@ -177,7 +177,12 @@ class SuffixConfig(Strict):
     ``min(max_spec_tokens, floor(max_spec_factor * p + max_spec_offset))`` tokens (read from the
     history, so ``max_depth`` bounds only the match);
     drafting stops when the estimated probability of the path falls below ``min_token_prob``. The
-    score (sum of those probabilities) estimates the number of accepted tokens.
+    score (sum of those probabilities) estimates the number of accepted tokens. A request's own
+    history also reads its draft as history (a stretch seen once is drafted past the history's
+    end), and a context ending in back-to-back copies of a period over at least
+    ``loop_min_tokens`` tokens (a loop) drafts up to ``max_spec_tokens`` whatever its match length
+    (0: no loop rule). Both apply to HOWL's chains; TokenSwift's suffix path reads the history
+    alone with the factor budget.
     """
 
     max_depth: Annotated[int, Meta(ge=2, le=1024)] = 64
@@ -186,6 +191,7 @@ class SuffixConfig(Strict):
     max_spec_offset: float = 0.0
     min_token_prob: Prob = 0.1
     global_requests: NonNegInt = 0
+    loop_min_tokens: NonNegInt = 8
 
 
 class HowlConfig(Strict):

@@ -14,6 +14,25 @@ score is the sum of its probabilities (an estimate of how many tokens will be ac
 best score over all p wins, ties going to the longer match. Ties between equally frequent
 children go to the one seen most recently.
 
+A request's own index (``own=True``: the context *is* the indexed sequence, so the draft continues
+it) reads two things a foreign index cannot:
+
+* *the draft as history*: the walk counts occurrences in the indexed sequence followed by the
+  tokens drafted so far, which is what the index will hold if they are accepted. An occurrence
+  that reaches the end of the history goes on reading the draft instead of dropping out, so a
+  stretch seen once before is drafted past the history's end (a loop of period P seen twice
+  offers the whole budget, not P tokens at most), and its probability does not halve each time
+  an earlier copy runs out.
+* *a loop's budget*: when the matched pattern's latest earlier occurrence is at most p tokens
+  back, the context ends in two or more back-to-back copies of a period of d <= p tokens; if
+  those copies span at least ``loop_min_tokens`` tokens (p + d), the match drafts up to
+  ``max_spec_tokens`` whatever ``factor * p + offset`` says. The factor keeps a short match from
+  drafting far on thin evidence; a context that already repeats itself is the evidence that it
+  goes on repeating (a greedy loop does, to the end).
+
+Either only changes what is proposed, never what is committed: every draft goes through the
+verifier's walk like any other.
+
 Data structure: no tree. The indexed tokens live in one growing int array, and each token id maps
 to the growing array of *end positions* e of its occurrences (``seq[e - 1] == token``). The
 occurrences of the length-p context suffix are those of length p - 1 filtered by one vectorised
@@ -23,9 +42,9 @@ occurrences and keeps the positions of the chosen one. Costs:
 * indexing: O(1) amortised per token (one array append per token);
 * matching: ``O(sum_p |E_p|)`` where ``E_p`` are the occurrences of the length-p suffix; the walk of
   a match costs ``O(|E_p|)`` per drafted token. Every operation is a numpy call, and walks are
-  tried in decreasing order of their token budget, skipping those whose budget cannot beat the
-  best score found (a score never exceeds the budget), so on repetitive text only one or two walks
-  run. On a 100K-token history a query takes well under a millisecond to a few milliseconds.
+  tried in decreasing order of the most they could score (their token budget times the share of
+  their occurrences that have a next token), skipping those that cannot beat the best score found,
+  so on repetitive text only one or two walks run. On a 100K-token history a query takes well under a millisecond to a few milliseconds.
 
 Memory is about 16 bytes per indexed token (the token and its position entry; up to twice that
 while the arrays grow). The index holds numpy arrays and ints only, one array per distinct token and
@@ -178,19 +197,34 @@ class SuffixIndex:
             out.append(ends)
         return out
 
-    def walk(self, ends: np.ndarray, budget: int, min_token_prob: float) -> SuffixDraft:
-        """The most-frequent-continuation path from the pattern ending at ``ends``."""
+    def walk(self, ends: np.ndarray, budget: int, min_token_prob: float, own: bool = False) -> SuffixDraft:
+        """The most-frequent-continuation path from the pattern ending at ``ends`` (ascending).
+
+        ``own``: the pattern ends the indexed sequence (``ends[-1] == len(self)``), and the draft
+        continues it: an occurrence that reaches the end reads the tokens drafted so far.
+        """
         seq = self._seq.view()
         n = seq.shape[0]
         draft = SuffixDraft()
         count = ends.size
         prob = 1.0
         cur = ends
+        drafted = np.empty(budget if own else 0, dtype=np.int64)
         while len(draft.tokens) < budget:
-            pos = cur[cur < n]
-            nxt = seq[pos]
+            # Positions ascend: the ones past the history are the last few (own walks only). The
+            # draft's own occurrence sits at the token being drafted, n + len, and drops out.
+            inside = int(np.searchsorted(cur, n))
+            if own and inside < cur.size:
+                pos = cur[cur < n + len(draft.tokens)]
+                nxt = np.empty(pos.size, dtype=np.int64)
+                nxt[:inside] = seq[pos[:inside]]
+                nxt[inside:] = drafted[pos[inside:] - n]
+            else:
+                pos = cur[:inside]
+                nxt = seq[pos]
             keep = nxt != SENTINEL
-            pos, nxt = pos[keep], nxt[keep]
+            if not keep.all():
+                pos, nxt = pos[keep], nxt[keep]
             if nxt.size == 0:
                 break
             first = nxt[0]
@@ -211,6 +245,8 @@ class SuffixIndex:
             if new_prob < min_token_prob:
                 break
             prob = new_prob
+            if own:
+                drafted[len(draft.tokens)] = tok
             draft.tokens.append(tok)
             draft.probs.append(prob)
             draft.score += prob
@@ -225,9 +261,16 @@ class SuffixIndex:
         max_spec_factor: float = 1.0,
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
+        own: bool = False,
+        loop_min_tokens: int = 0,
     ) -> SuffixDraft:
         """The best linear draft continuing ``context`` (its last ``max_depth - 1`` tokens are used):
         over every match length p, the highest score, ties going to the longer match.
+
+        ``own``: ``context`` is this index's own sequence (a request's local index), so the walk
+        reads its draft as history and a loop's budget applies from ``loop_min_tokens`` tokens of
+        back-to-back copies (0: never); see the module docstring. Both need the pattern to end the
+        indexed sequence, which the context's own suffix does.
 
         One walk per distinct occurrence set, not per p: a longer match's occurrences are a subset
         of a shorter one's, so matches of equal counts have the same occurrences, and a walk does
@@ -235,30 +278,44 @@ class SuffixIndex:
         one's, its score the prefix's sum). On a repeating stretch every p from the loop's length
         up shares one set, and the walks drop from one per p to one.
         """
-        groups: list[tuple[np.ndarray, list[tuple[int, int]]]] = []  # occurrences, [(p, budget)]
+        n = len(self)
+        groups: list[tuple[np.ndarray, bool, list[tuple[int, int]]]] = []  # occurrences, own, [(p, budget)]
         for p, ends in enumerate(self.matches(context), 1):
+            mine = own and int(ends[-1]) == n
             budget = min(max_spec_tokens, int(p * max_spec_factor + max_spec_offset + 1e-6))
+            if mine and loop_min_tokens and ends.size > 1:
+                back = n - int(ends[-2])  # the latest earlier copy of the pattern
+                if back <= p and p + back >= loop_min_tokens:
+                    budget = max_spec_tokens
             if budget <= 0:
                 continue
             if groups and groups[-1][0].size == ends.size:
-                groups[-1][1].append((p, budget))
+                groups[-1][2].append((p, budget))
             else:
-                groups.append((ends, [(p, budget)]))
+                groups.append((ends, mine, [(p, budget)]))
         best = SuffixDraft()
-        # Largest budgets first (longer matches first among equals): a draft's score never exceeds
-        # its budget, so once a group's budget cannot beat the best score the rest are skipped.
-        groups.sort(key=lambda g: (-max(b for _, b in g[1]), -g[1][-1][0]))
-        for ends, members in groups:
-            top, longest = max(b for _, b in members), members[-1][0]
-            if top < best.score or (top == best.score and longest < best.match_len):
+        # A draft's j-th probability is (occurrences still on its path) / (occurrences of the
+        # pattern), and an occurrence at the end of the history has no next token, so a score
+        # never exceeds budget * (k - ends_at_n) / k. Highest bounds first (longer matches first
+        # among equals); once a bound cannot beat the best score the rest are skipped. On a loop
+        # the pattern with the most copies comes first and reaches its bound: one walk.
+        ranked = []
+        for ends, mine, members in groups:
+            top = max(b for _, b in members)
+            k = ends.size
+            ranked.append((top * (k - int(int(ends[-1]) == n)) / k, top, ends, mine, members))
+        ranked.sort(key=lambda g: (-g[0], -g[4][-1][0]))
+        for bound, top, ends, mine, members in ranked:
+            longest = members[-1][0]
+            if bound < best.score or (bound == best.score and longest < best.match_len):
                 break
-            walked = self.walk(ends, top, min_token_prob)
+            walked = self.walk(ends, top, min_token_prob, mine)
             scores = list(accumulate(walked.probs))
             for p, budget in members:
-                n = min(budget, len(walked.tokens))
-                score = scores[n - 1] if n else 0.0
+                n_tokens = min(budget, len(walked.tokens))
+                score = scores[n_tokens - 1] if n_tokens else 0.0
                 if score > best.score or (score == best.score and p > best.match_len):
-                    best = SuffixDraft(walked.tokens[:n], walked.probs[:n], score, p)
+                    best = SuffixDraft(walked.tokens[:n_tokens], walked.probs[:n_tokens], score, p)
         return best
 
 
@@ -314,7 +371,9 @@ class SuffixCache:
         limit = c.max_spec_tokens if max_spec_tokens is None else min(max_spec_tokens, c.max_spec_tokens)
         args = (limit, c.max_spec_factor, c.max_spec_offset, c.min_token_prob)
         tail = context[-c.max_depth:]
-        best = self._local[rid].speculate(tail, *args) if rid in self._local else SuffixDraft()
+        best = SuffixDraft()
+        if rid in self._local:  # the request's own sequence: its draft continues it
+            best = self._local[rid].speculate(tail, *args, own=True, loop_min_tokens=c.loop_min_tokens)
         if self._global is not None:
             other = self._global.speculate(tail, *args)
             if other.score > best.score:

@@ -62,8 +62,13 @@ class Owl:
     def reset(self) -> None:
         """Forget every request (the engine flushed its cache)."""
 
-    def route(self, state: OwlState, rid: Hashable, history: Sequence[int]) -> Route | None:
-        """How this request drafts this step (None: no draft, one exact token)."""
+    def route(self, state: OwlState, rid: Hashable, history: Sequence[int],
+              max_chain: int | None = None) -> Route | None:
+        """How this request drafts this step (None: no draft, one exact token).
+
+        ``max_chain``: the most draft tokens a linear round may verify (the verify width less the
+        root; None: the suffix settings alone decide).
+        """
         if state.h_last is None:
             return None
         spec = self.config.spec
@@ -136,8 +141,9 @@ class Howl(Owl):
         self.suffix = SuffixCache(self.suffix_config)
         self._chains.clear()
 
-    def route(self, state, rid, history) -> Route | None:
-        draft = self.suffix.speculate(rid, history)
+    def route(self, state, rid, history, max_chain=None) -> Route | None:
+        # The chain is scored as it will be verified: cut to the width before it is compared with c.
+        draft = self.suffix.speculate(rid, history, max_chain)
         if state.h_last is None and draft.score <= self.policy.threshold:
             return None
         state.howl.has_spec = state.h_spec is not None

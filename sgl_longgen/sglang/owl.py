@@ -125,8 +125,9 @@ class OwlDrafter(Drafter):
     @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
         shadow()
-        routes = [None if step.blocker is not None else self.method.route(step.state.method, step.rid, step.history)
-                  for step in steps]
+        chain = self.env.num_nodes - 1  # a linear round's chain fills the verify width
+        routes = [None if step.blocker is not None
+                  else self.method.route(step.state.method, step.rid, step.history, chain) for step in steps]
         self.env.clock.note("linear_steps", float(sum(r is not None and r.linear for r in routes)))
         return self.method.propose([s.rid for s in steps], [s.state.method for s in steps], [s.root for s in steps],
                                    routes, self.env.num_nodes)

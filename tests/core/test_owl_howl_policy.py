@@ -31,3 +31,26 @@ def test_without_spec_tree_rounds_never_use_or_attach_it():
     policy = HowlPolicy(HowlConfig())
     routes = [policy.route(score, state) for score, state in zip([10.0, 1.0, 1.0], [HowlState(True), HowlState(False), HowlState(True)])]
     assert [(r.linear, r.use_spec) for r in routes] == [(True, False), (False, False), (False, True)]
+
+
+def test_a_loop_seen_twice_routes_a_chain_as_wide_as_the_verify():
+    """HOWL's route scores the chain at the width it will be verified with: a loop seen twice is
+    a linear round whose chain fills the verify width, whatever ``max_spec_tokens`` allows past it."""
+    import random
+
+    import torch
+
+    from sgl_longgen.config import OwlConfig, SuffixConfig
+    from sgl_longgen.methods import Howl
+
+    rng = random.Random(0)
+    loop = [rng.randrange(100) for _ in range(5)]
+    history = [rng.randrange(100, 10_000) for _ in range(500)] + loop * 2
+    howl = Howl(OwlConfig(), None, 0, SuffixConfig(max_spec_tokens=128), HowlConfig())
+    state = howl.start("r", history, torch.zeros(4))
+    for width, chain in ((65, 64), (33, 32)):
+        route = howl.route(state, "r", history, width - 1)
+        assert route.linear and not route.attach_spec
+        assert howl.linear("r") == (loop * 30)[:chain]
+    route = howl.route(state, "r", history)  # no width: the suffix settings decide
+    assert route.linear and howl.linear("r") == (loop * 30)[:128]

@@ -15,12 +15,15 @@ from sgl_longgen.core.suffix import SENTINEL, SuffixCache, SuffixIndex
 
 
 def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: int, factor: float,
-                offset: float, min_prob: float) -> tuple[list[int], float, int]:
+                offset: float, min_prob: float, own: bool = False, loop_min: int = 0) -> tuple[list[int], float, int]:
     """The suffix tree's path draft, computed by scanning the whole array each time.
 
     count(g) = occurrences of g; a step goes to the most frequent continuation (ties: the one
     seen last), prob *= count(g + t) / count(g); matches up to max_depth - 1 tokens; budget
     min(max_tokens, factor * p + offset); the best score wins, ties to the longer match.
+    ``own`` (the context is arr's own tail): the walk reads arr followed by the tokens drafted so
+    far, and a pattern whose latest earlier copy is at most p back, spanning p + back >=
+    ``loop_min`` tokens (``loop_min`` > 0), gets the budget max_tokens.
     """
     n = len(arr)
     ctx = context[-(max_depth - 1):]
@@ -31,12 +34,16 @@ def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: 
         if not ends:
             break
         budget = min(max_tokens, int(p * factor + offset + 1e-6))
+        mine = own and ends[-1] == n
+        if mine and loop_min and len(ends) > 1 and n - ends[-2] <= p and p + n - ends[-2] >= loop_min:
+            budget = max_tokens
         tokens, score, prob, count = [], 0.0, 1.0, len(ends)
         while len(tokens) < budget:
+            seq = arr + tokens if mine else arr
             stats: dict[int, list[int]] = {}
             for e in ends:
-                if e < n and arr[e] != SENTINEL:
-                    entry = stats.setdefault(arr[e], [0, -1])
+                if e < len(seq) and seq[e] != SENTINEL:
+                    entry = stats.setdefault(seq[e], [0, -1])
                     entry[0] += 1
                     entry[1] = max(entry[1], e)
             if not stats:
@@ -48,7 +55,7 @@ def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: 
             prob = prob * c / count
             tokens.append(tok)
             score += prob
-            ends = [e + 1 for e in ends if e < n and arr[e] == tok]
+            ends = [e + 1 for e in ends if e < len(seq) and seq[e] == tok]
             count = c
         if tokens and (score > best[1] or (score == best[1] and p > best[2])):
             best = (tokens, score, p)
@@ -86,10 +93,14 @@ def test_drafts_match_the_brute_force_semantics(seed):
             arr.extend(seq)
         own_tail = [t for t in arr[-20:] if t != SENTINEL]  # a local query: the context is indexed
         foreign = random_sequence(rng, 12, vocab)  # a global query: it is not
-        for context in (own_tail, foreign):
-            draft = index.speculate(context, **params)
+        loop_min = rng.choice([0, 2, 8])
+        queries = [(own_tail, False), (foreign, False), (foreign, True)]
+        if SENTINEL not in arr[-20:]:  # the request's own index: the context is its tail
+            queries.append((own_tail, True))
+        for context, own in queries:
+            draft = index.speculate(context, **params, own=own, loop_min_tokens=loop_min)
             tokens, score, p = brute_force(arr, context, D, params["max_spec_tokens"], params["max_spec_factor"],
-                                           params["max_spec_offset"], params["min_token_prob"])
+                                           params["max_spec_offset"], params["min_token_prob"], own, loop_min)
             assert draft.tokens == tokens
             assert draft.score == pytest.approx(score)
             if tokens:
@@ -198,9 +209,9 @@ class CountingIndex(SuffixIndex):
 
     walks = 0
 
-    def walk(self, ends, budget, min_token_prob):
+    def walk(self, ends, budget, min_token_prob, own=False):
         self.walks += 1
-        return super().walk(ends, budget, min_token_prob)
+        return super().walk(ends, budget, min_token_prob, own)
 
 
 def test_a_repeating_stretch_takes_one_walk_per_occurrence_set():
@@ -233,3 +244,39 @@ def test_the_index_holds_no_object_the_collector_tracks_per_token():
     for cut in (1000, 19_999, 20_000):
         a, b = bulk.speculate(seq[:cut], 32, 2.0), step.speculate(seq[:cut], 32, 2.0)
         assert (a.tokens, a.score) == (b.tokens, b.score)
+
+
+@pytest.mark.parametrize("period", [1, 2, 7, 19, 40])
+def test_a_loop_seen_twice_fills_the_budget(period):
+    """Two back-to-back copies of a period at the end of a request's history: the chain is the
+    loop, as long as ``max_spec_tokens``, with a score above HOWL's threshold. Read from the
+    history alone it would stop where the history does (``period`` tokens at most) or at the
+    match's factor budget (``2 * period``)."""
+    rng = random.Random(period)
+    loop = [rng.randrange(1000) for _ in range(period)]
+    copies = 2 if 2 * period >= 8 else -(-8 // period)  # at least loop_min_tokens (8) tokens
+    history = [rng.randrange(1000, 100_000) for _ in range(3000)] + loop * copies
+    cache = SuffixCache(SuffixConfig())
+    cache.start_request("r", history)
+    draft = cache.speculate("r", history)
+    assert draft.tokens == (loop * 64)[:64]
+    assert draft.score > 9.0  # HowlConfig's default threshold: a linear round
+    # Without the loop budget the factor still caps it (2 * match length), the draft past the
+    # history's end still reads the loop.
+    plain = SuffixCache(SuffixConfig(loop_min_tokens=0))
+    plain.start_request("r", history)
+    capped = plain.speculate("r", history)
+    assert capped.tokens == (loop * 64)[: len(capped.tokens)] and len(capped.tokens) == min(64, 2 * capped.match_len)
+
+
+def test_a_long_loop_is_drafted_in_one_walk_and_fast():
+    """A loop of 20K tokens after a 98K-token history: every match length shares the loop's
+    continuation, and the pattern with the most copies reaches the most any walk could score."""
+    rng = np.random.default_rng(1)
+    loop = rng.integers(0, 128_000, 3).tolist()
+    history = rng.integers(0, 128_000, 98_304).tolist() + loop * 7000
+    index = CountingIndex(64)
+    index.extend(history)
+    draft = index.speculate(history, 64, 2.0, 0.0, 0.1, own=True, loop_min_tokens=8)
+    assert draft.tokens == (loop * 30)[len(history) % 3 : len(history) % 3 + 64]
+    assert index.walks == 1

@@ -14,6 +14,7 @@ Sampled: the emitted tokens follow the exact distribution computed from a micro 
 from __future__ import annotations
 
 import functools
+import random
 import tempfile
 from pathlib import Path
 
@@ -118,6 +119,33 @@ def test_owl_kv_cache_equals_a_fresh_prefill_of_its_output():
     assert torch.allclose(dec.cache.v[:, :, : len(seq)], cache.v, atol=1e-10)
     # ... and the drafter's next input is the last committed token's post-norm state.
     assert torch.allclose(dec.state.h_last, lm.model.model.norm(h[-1]), atol=1e-10)
+
+
+def test_howl_verifies_a_loop_seen_twice_as_full_width_chains():
+    """The shipped proxy's greedy output of this prompt loops with a short period from its 22nd
+    token. Once two copies of the period are committed, every step verifies a chain as long as
+    ``suffix.max_spec_tokens`` and accepts all of it, bonus token included: the chain reads past
+    the history's end and the loop's budget does not wait for the match to grow."""
+    lm = model("tiny")
+    rng = random.Random(24)
+    prompt = [rng.randrange(lm.config.vocab_size) for _ in range(64)]
+    new_tokens = 256
+    plain = build_decoder(lm, config("ar")).generate(prompt, new_tokens).output_ids
+    period = next(q for q in range(1, 32) if plain[-128:] == plain[-128 - q : len(plain) - q])
+    start = next(i for i in range(len(plain)) if plain[i:] == plain[i + period :] + plain[len(plain) - period :][: period])
+    assert period <= 8 and start < 64, (period, start)  # the workload this test is about
+
+    cfg = config("howl")
+    decoder = build_decoder(lm, cfg)
+    done: list[int] = []
+    result = decoder.generate(prompt, new_tokens, lambda tokens, stats: done.append(len(tokens)))
+    assert result.output_ids == plain
+    committed = [b - a for a, b in zip([0] + done, done)]
+    chain = cfg.suffix.max_spec_tokens
+    seen_twice = start + 2 * period
+    after = [c for a, c, b in zip([0] + done, committed, done) if a >= seen_twice and b < new_tokens]
+    assert after and all(c == chain + 1 for c in after), (seen_twice, list(zip([0] + done, committed)))
+    assert result.stats.linear_steps >= len(after)
 
 
 def test_spec_token_embeds_as_the_checkpoint_vector():
