@@ -181,8 +181,9 @@ class SuffixConfig(Strict):
     history also reads its draft as history (a stretch seen once is drafted past the history's
     end), and a context ending in back-to-back copies of a period over at least
     ``loop_min_tokens`` tokens (a loop) drafts up to ``max_spec_tokens`` whatever its match length
-    (0: no loop rule). Both apply to HOWL's chains; TokenSwift's suffix path reads the history
-    alone with the factor budget.
+    (0: no loop rule). Both apply to HOWL's chains and TokenSwift's suffix path. A query reads
+    the latest ``max_occurrences`` occurrences of the context's last token (0: all), so its cost
+    stays bounded on a loop.
     """
 
     max_depth: Annotated[int, Meta(ge=2, le=1024)] = 64
@@ -192,6 +193,9 @@ class SuffixConfig(Strict):
     min_token_prob: Prob = 0.1
     global_requests: NonNegInt = 0
     loop_min_tokens: NonNegInt = 8
+    # Occurrences of the context's last token a query reads, the latest first (0: all): bounds a
+    # query's cost on a loop, whose copies grow without bound.
+    max_occurrences: NonNegInt = 1024
 
 
 class HowlConfig(Strict):

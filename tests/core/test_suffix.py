@@ -280,3 +280,31 @@ def test_a_long_loop_is_drafted_in_one_walk_and_fast():
     draft = index.speculate(history, 64, 2.0, 0.0, 0.1, own=True, loop_min_tokens=8)
     assert draft.tokens == (loop * 30)[len(history) % 3 : len(history) % 3 + 64]
     assert index.walks == 1
+
+
+class WidestWalk(SuffixIndex):
+    """A suffix index that records the most occurrences one walk started from."""
+
+    widest = 0
+
+    def walk(self, ends, budget, min_token_prob, own=False):
+        self.widest = max(self.widest, int(ends.size))
+        return super().walk(ends, budget, min_token_prob, own)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_query_reads_at_most_max_occurrences_copies_of_a_loop(own):
+    """90K tokens of a period-2 loop (a greedy model that loops): 45K copies of every pattern. With
+    ``max_occurrences`` a query's walks start from at most that many, and the draft is still the
+    loop; without it they read every copy (what made a query's cost grow with the loop)."""
+    rng = random.Random(5)
+    history = [rng.randrange(1000, 100_000) for _ in range(512)] + [7, 9] * 45_000
+    drafts = {}
+    for cap in (0, 1024):
+        index = WidestWalk(64, cap)
+        index.extend(history)
+        drafts[cap] = index.speculate(history, 64, 2.0, 0.0, 0.1, own=own, loop_min_tokens=8)
+        assert drafts[cap].tokens == [7, 9] * 32
+        assert index.widest <= 1024 if cap else index.widest > 40_000
+    with pytest.raises(ValueError, match="max_occurrences"):
+        SuffixIndex(64, -1)
