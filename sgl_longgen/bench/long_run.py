@@ -81,7 +81,8 @@ def read_record(out_dir: Path) -> dict | None:
 def rates(timeline: list[list[float]], bin_tokens: int) -> list[dict]:
     """ms/token per ``bin_tokens`` of position, from the marks ``[start, tokens, seconds, steps]``:
     within one stretch of decoding, the seconds and tokens between consecutive marks; the first
-    mark of a stretch starts it (its prefill is not decode time)."""
+    mark of a stretch starts it (its prefill is not decode time). tau only where both marks know
+    their steps (a speculative stretch's are known at its end only)."""
     bins: dict[int, list[float]] = {}
     prev: list[float] | None = None
     for mark in timeline:
@@ -89,13 +90,15 @@ def rates(timeline: list[list[float]], bin_tokens: int) -> list[dict]:
         if prev is not None and prev[0] == start and tokens > prev[1]:
             dt, dn, ds = seconds - prev[2], tokens - prev[1], steps - prev[3]
             b = int((start + (tokens + prev[1]) / 2) // bin_tokens)  # the interval's middle
-            acc = bins.setdefault(b, [0.0, 0.0, 0.0])
+            acc = bins.setdefault(b, [0.0, 0.0, 0.0, 0.0])
             acc[0] += dt
             acc[1] += dn
-            acc[2] += ds
+            if steps > 0 and prev[3] > 0:  # steps known at both ends (see Segment.steps)
+                acc[2] += ds
+                acc[3] += dn
         prev = mark
-    return [{"position": (b + 0.5) * bin_tokens, "ms_per_token": 1e3 * t / n, "tau": n / s if s else None}
-            for b, (t, n, s) in sorted(bins.items()) if n]
+    return [{"position": (b + 0.5) * bin_tokens, "ms_per_token": 1e3 * t / n, "tau": k / s if s else None}
+            for b, (t, n, s, k) in sorted(bins.items()) if n]
 
 
 def plain_costs(values: list[str], shape: str) -> dict[int, float]:

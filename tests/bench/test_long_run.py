@@ -43,6 +43,9 @@ def test_rates_per_position_bin_within_stretches():
     # Steps unknown (0: a speculative stretch mid-stream): no tau, ms/token still measured.
     rows = long_run.rates([[0, 10, 0.1, 0], [0, 110, 1.1, 0]], 1000)
     assert rows[0]["tau"] is None and rows[0]["ms_per_token"] == pytest.approx(10.0)
+    # The stretch's last mark knows its steps, the one before it does not: still no tau.
+    rows = long_run.rates([[0, 10, 0.1, 0], [0, 110, 1.1, 0], [0, 120, 1.2, 30]], 1000)
+    assert rows[0]["tau"] is None and rows[0]["ms_per_token"] == pytest.approx(10.0)
 
 
 def record(ids: list[int], timeline: list[list[float]], resumed: int = 0) -> dict:
