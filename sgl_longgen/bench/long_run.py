@@ -33,14 +33,13 @@ from typing import Any
 from ..errors import LonggenError
 
 JOBS = ("plain", "tokenswift")
-HEADS = "model-heads"  # where gpu_check's maker puts the heads of a model named "model"
 
 
-def job_text(name: str, method: str, new_tokens: int, checkpoint_every: int, context: int) -> str:
+def job_text(name: str, method: str, new_tokens: int, checkpoint_every: int, context: int, heads: str) -> str:
     kwargs = {"load_format": "dummy", "context_length": context, "mem_fraction_static": 0.85,
               "chunked_prefill_size": 16384, "cuda_graph_bs_decode": [1], "cuda_graph_backend_prefill": "disabled",
               "log_level": "warning"}
-    lines = [f'name = "{name}"', 'model = "model"', f'heads = "{HEADS}"', 'runtime = "sglang"',
+    lines = [f'name = "{name}"', 'model = "model"', f'heads = "{heads}"', 'runtime = "sglang"',
              'input = "prompts.jsonl"', f'output_dir = "out-{name}"', f'method = "{method}"',
              f"max_new_tokens = {new_tokens}", "seed = 0", "ignore_eos = true",
              f"checkpoint_every = {checkpoint_every}", "", "[engines]", "count = 1", "cpus = 4",
@@ -54,16 +53,17 @@ def prepare(args: argparse.Namespace) -> None:
 
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
+    if args.shape not in SHAPES:
+        raise LonggenError(f"--shape: unknown shape {args.shape!r} (known: {', '.join(SHAPES)})")
     config = SHAPES[args.shape]
     model, heads = make_checkpoints(root, args.partial_kv_budget, config=config, name="model")
     rng = random.Random(args.seed)
     prompt = [rng.randrange(1000, config["vocab_size"] - 1000) for _ in range(args.prompt_tokens)]
     (root / "prompts.jsonl").write_text(json.dumps({"id": "long-0", "input_ids": prompt}) + "\n")
     context = args.prompt_tokens + args.new_tokens + 1024
-    (root / "plain.toml").write_text(job_text("plain", "ar", args.reference_tokens, args.checkpoint_every, context))
-    (root / "tokenswift.toml").write_text(job_text("tokenswift", "tokenswift", args.new_tokens,
-                                                   args.checkpoint_every, context))
-    assert heads == root / HEADS, heads
+    for name, method, n in (("plain", "ar", args.reference_tokens), ("tokenswift", "tokenswift", args.new_tokens)):
+        (root / f"{name}.toml").write_text(job_text(name, method, n, args.checkpoint_every, context,
+                                                    str(heads.relative_to(root))))
     print(f"wrote {model}, {heads}, prompts.jsonl, plain.toml, tokenswift.toml under {root}")
 
 

@@ -20,11 +20,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_job_files_load_as_batch_jobs(tmp_path):
     for name, method, n in (("plain", "ar", 8192), ("tokenswift", "tokenswift", 100_000)):
         path = tmp_path / f"{name}.toml"
-        path.write_text(long_run.job_text(name, method, n, 2048, 101_536))
+        path.write_text(long_run.job_text(name, method, n, 2048, 101_536, "model-heads"))
         job = load_job(path)
         assert (job.spec.method, job.spec.max_new_tokens, job.spec.checkpoint_every) == (method, n, 2048)
         assert job.spec.runtime == "sglang" and job.spec.sampling.temperature == 0.0 and job.spec.ignore_eos
-        assert job.heads == str(tmp_path / long_run.HEADS) and job.output_dir == tmp_path / f"out-{name}"
+        assert job.heads == str(tmp_path / "model-heads") and job.output_dir == tmp_path / f"out-{name}"
         kw = job.spec.sglang.engine_kwargs
         assert kw["load_format"] == "dummy" and kw["context_length"] == 101_536
 
@@ -88,3 +88,5 @@ def test_report_identity_rates_costs_and_plot(tmp_path):
 def test_report_before_the_job_finished_is_a_clear_error(tmp_path, capsys):
     assert long_run.main(["report", "--dir", str(tmp_path)]) == 2
     assert "has not finished" in capsys.readouterr().out
+    assert long_run.main(["prepare", "--dir", str(tmp_path / "p"), "--shape", "mistral"]) == 2
+    assert "unknown shape 'mistral'" in capsys.readouterr().out
