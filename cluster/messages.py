@@ -56,7 +56,7 @@ class Mark(msgspec.Struct, array_like=True):
     steps: int
 
     @classmethod
-    def of(cls, seg: Segment) -> "Mark":
+    def of(cls, seg: Segment) -> Mark:
         return cls(seg.start, seg.tokens, round(seg.decode_seconds, 4), seg.steps)
 
 

@@ -60,6 +60,11 @@ class Request:
     def id(self) -> str:
         return self.prompt.id
 
+    def advance(self, seg: Segment) -> None:
+        """An engine's running totals of the stretch in flight: kept, and marked on the timeline."""
+        self.running = seg
+        self.timeline.append(Mark.of(seg))
+
     def close_segment(self) -> None:
         if self.running is not None:
             if self.running.tokens:
@@ -223,8 +228,7 @@ class Scheduler:
 
     def _on_progress(self, slot: Slot, req: Request, msg: Progress) -> None:
         req.tokens.extend(msg.new_tokens)
-        req.running = msg.segment
-        req.timeline.append(Mark.of(msg.segment))
+        req.advance(msg.segment)
         slot.tokens += len(msg.new_tokens)
         self.generated += len(msg.new_tokens)
         if len(req.tokens) - req.checkpointed >= self.spec.checkpoint_every:
@@ -235,8 +239,7 @@ class Scheduler:
         req.tokens.extend(msg.new_tokens)
         slot.tokens += len(msg.new_tokens)
         self.generated += len(msg.new_tokens)
-        req.running = msg.segment
-        req.timeline.append(Mark.of(msg.segment))
+        req.advance(msg.segment)
         req.close_segment()
         slot.finished += 1
         if msg.finish_reason == "error":
@@ -430,6 +433,6 @@ def make_record(job: Job, req: Request, finish_reason: str, error: str | None, t
         "attempts": req.attempts,
         "segments": [{"engine": s.engine, "start": s.start, "tokens": s.tokens, "steps": s.steps} for s in segs],
         # [start, tokens, decode seconds, steps] of each stretch at each engine report: ms/token by position.
-        "timeline": [list(msgspec.structs.astuple(m)) for m in req.timeline],
+        "timeline": msgspec.to_builtins(req.timeline),
         "stats": extra or {},
     }

@@ -219,13 +219,12 @@ class SGLangEngine:
                     break
                 n = len(out_ids)
                 if n - sent >= report_every or (now - last >= report_seconds and n > sent):
-                    yield Progress(id=task.id, new_tokens=out_ids[sent:n],
-                                   segment=self._segment(self.speculative, seg, n, meta, t0, t_first, now))
+                    yield Progress(id=task.id, new_tokens=out_ids[sent:n], segment=self._segment(seg, n, meta, t0, t_first, now))
                     sent, last = n, now
         except Exception as exc:  # noqa: BLE001 - e.g. CUDA OOM surfaced by the engine: fail fast, keep the tokens
             self.tokens_generated += len(out_ids)
             yield Finished(id=task.id, new_tokens=out_ids[sent:], finish_reason="error",
-                           segment=self._segment(self.speculative, seg, len(out_ids), meta, t0, t_first, time.perf_counter()),
+                           segment=self._segment(seg, len(out_ids), meta, t0, t_first, time.perf_counter()),
                            error=f"{type(exc).__name__}: {exc}", prompt_tokens=len(prompt_ids),
                            text=self._text(list(task.prefix) + out_ids))
             return
@@ -233,19 +232,17 @@ class SGLangEngine:
         self.tokens_generated += len(out_ids)
         yield Finished(
             id=task.id, new_tokens=out_ids[sent:], finish_reason=reason, error=error,
-            segment=self._segment(self.speculative, seg, len(out_ids), meta, t0, t_first, time.perf_counter()),
+            segment=self._segment(seg, len(out_ids), meta, t0, t_first, time.perf_counter()),
             text=self._text(list(task.prefix) + out_ids), prompt_tokens=len(prompt_ids),
             extra={k: meta[k] for k in ("spec_accept_length", "spec_accept_rate", "spec_verify_ct", "cached_tokens")
                    if k in meta},
         )
 
-    @staticmethod
-    def _segment(speculative: bool, seg: Segment, n: int, meta: dict, t0: float, t_first: float | None,
-                 now: float) -> Segment:
+    def _segment(self, seg: Segment, n: int, meta: dict, t0: float, t_first: float | None, now: float) -> Segment:
         # SGLang reports a request's verify count with its last chunk only: mid-stream (and in a
         # stretch a stopped driver cut short) a speculative stretch's steps are unknown, 0, not one
         # per token, which would read as tau 1.
-        steps = int(meta.get("spec_verify_ct") or 0) if speculative else max(n - 1, 0)
+        steps = int(meta.get("spec_verify_ct") or 0) if self.speculative else max(n - 1, 0)
         prefill = (t_first - t0) if t_first is not None else now - t0
         return msgspec.structs.replace(
             seg, tokens=n, steps=steps,

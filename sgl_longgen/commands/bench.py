@@ -675,13 +675,13 @@ def run_engine(args: argparse.Namespace, methods: list[str], gpu: dict | None) -
         save(args, result)
 
     if "acceptance" in previous:
-        rows = previous["acceptance"]
+        rows, records = previous["acceptance"], previous["records"]
         print(f"== acceptance: kept from the stopped run in {args.out / 'bench.json'}", flush=True)
     else:
-        rows, _ = engine_bench.run_acceptance(args, methods, prompts, model_dir, engine_drafts(args, model_dir),
-                                              settings, setting_label, eval_cmd.distinct_n, eval_cmd.DISTINCT_N,
-                                              on_cpu, save_rows)
-    save_rows(rows, previous.get("records", result.get("records", [])))
+        rows, records = engine_bench.run_acceptance(args, methods, prompts, model_dir, engine_drafts(args, model_dir),
+                                                    settings, setting_label, eval_cmd.distinct_n,
+                                                    eval_cmd.DISTINCT_N, on_cpu, save_rows)
+    save_rows(rows, records)
     if gpu is not None:
         result["projection"] = project(gpu, [r for r in rows if r.get("tau")])
     if args.step_costs:

@@ -46,10 +46,11 @@ occurrences and keeps the positions of the chosen one. Costs:
   one CPU core), so ``max_occurrences`` (K) keeps the latest K occurrences of the context's last
   token: every query is ``O(K * (max_depth + max_spec_tokens))`` whatever the history. A pattern
   seen more than K times is estimated from its latest copies, and a long match is found only
-  among the latest K copies of its last token: what is proposed changes, never what is committed. Every operation is a numpy call, and walks are
-  tried in decreasing order of the most they could score (their token budget times the share of
-  their occurrences that have a next token), skipping those that cannot beat the best score found,
-  so on repetitive text only one or two walks run. On a 100K-token history a query takes well under a millisecond to a few milliseconds.
+  among the latest K copies of its last token: what is proposed changes, never what is committed.
+  Every operation is a numpy call, and walks are tried in decreasing order of the most they could
+  score (their token budget times the share of their occurrences that have a next token), skipping
+  those that cannot beat the best score found, so on repetitive text only one or two walks run. On
+  a 100K-token history a query takes well under a millisecond to a few milliseconds.
 
 Memory is about 16 bytes per indexed token (the token and its position entry; up to twice that
 while the arrays grow). The index holds numpy arrays and ints only, one array per distinct token and
@@ -74,6 +75,17 @@ from ..config import SuffixConfig
 SENTINEL = -1
 
 
+def _with_room(data: np.ndarray | None, size: int, n: int) -> np.ndarray:
+    """``data`` (its first ``size`` entries kept) with room for ``n`` more: at least doubled when
+    it grows, so appends cost amortised O(1)."""
+    if data is not None and size + n <= data.shape[0]:
+        return data
+    grown = np.empty(max(8, 2 * size, size + n), dtype=np.int64)
+    if size:
+        grown[:size] = data[:size]
+    return grown
+
+
 class _Growable:
     """An int64 array with amortised O(1) append."""
 
@@ -84,19 +96,13 @@ class _Growable:
         self.size = 0
 
     def append(self, value: int) -> None:
-        if self.size == self.data.shape[0]:
-            grown = np.empty(2 * self.data.shape[0], dtype=np.int64)
-            grown[: self.size] = self.data[: self.size]
-            self.data = grown
+        self.data = _with_room(self.data, self.size, 1)
         self.data[self.size] = value
         self.size += 1
 
     def extend(self, values: np.ndarray) -> None:
         n = values.shape[0]
-        if self.size + n > self.data.shape[0]:
-            grown = np.empty(max(2 * self.data.shape[0], self.size + n), dtype=np.int64)
-            grown[: self.size] = self.data[: self.size]
-            self.data = grown
+        self.data = _with_room(self.data, self.size, n)
         self.data[self.size : self.size + n] = values
         self.size += n
 
@@ -130,6 +136,10 @@ class SuffixIndex:
         self._ends: dict[int, np.ndarray] = {}
         self._sizes: dict[int, int] = {}
 
+    @classmethod
+    def for_config(cls, config: SuffixConfig) -> SuffixIndex:
+        return cls(config.max_depth, config.max_occurrences)
+
     def __len__(self) -> int:
         return self._seq.size
 
@@ -162,13 +172,8 @@ class SuffixIndex:
     def _append(self, tok: int, ends) -> None:
         """Append end positions (an int or an array) to ``tok``'s, in amortised O(1) per position."""
         n = 1 if isinstance(ends, int) else ends.shape[0]
-        data = self._ends.get(tok)
         size = self._sizes.get(tok, 0)
-        if data is None or size + n > data.shape[0]:
-            grown = np.empty(max(8, 2 * size, size + n), dtype=np.int64)
-            if size:
-                grown[:size] = data[:size]
-            data = self._ends[tok] = grown
+        data = self._ends[tok] = _with_room(self._ends.get(tok), size, n)
         data[size : size + n] = ends
         self._sizes[tok] = size + n
 
@@ -328,6 +333,15 @@ class SuffixIndex:
                     best = SuffixDraft(walked.tokens[:n_tokens], walked.probs[:n_tokens], score, p)
         return best
 
+    def draft(self, context: Sequence[int], config: SuffixConfig, max_spec_tokens: int | None = None,
+              own: bool = False) -> SuffixDraft:
+        """:meth:`speculate` with ``config``'s settings (``max_spec_tokens``: a tighter cap, e.g.
+        the verify width)."""
+        c = config
+        limit = c.max_spec_tokens if max_spec_tokens is None else min(max_spec_tokens, c.max_spec_tokens)
+        return self.speculate(context[-c.max_depth:], limit, c.max_spec_factor, c.max_spec_offset, c.min_token_prob,
+                              own=own, loop_min_tokens=c.loop_min_tokens)
+
 
 class SuffixCache:
     """Per-request local indexes (prompt + output) and an optional global index over past outputs.
@@ -344,12 +358,11 @@ class SuffixCache:
         self._local: dict[Hashable, SuffixIndex] = {}
         self._outputs: dict[Hashable, list[int]] = {}
         self._finished: deque[list[int]] = deque(maxlen=max(1, config.global_requests))
-        self._global: SuffixIndex | None = (SuffixIndex(config.max_depth, config.max_occurrences)
-                                            if config.global_requests else None)
+        self._global: SuffixIndex | None = SuffixIndex.for_config(config) if config.global_requests else None
         self._global_sequences = 0
 
     def start_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
-        index = SuffixIndex(self.config.max_depth, self.config.max_occurrences)
+        index = SuffixIndex.for_config(self.config)
         index.extend(prompt)
         self._local[rid] = index
         if self._global is not None:
@@ -370,7 +383,7 @@ class SuffixCache:
         self._global.extend(output)
         self._global_sequences += 1
         if self._global_sequences > 2 * self.config.global_requests:
-            index = SuffixIndex(self.config.max_depth, self.config.max_occurrences)
+            index = SuffixIndex.for_config(self.config)
             for tokens in self._finished:
                 index.end_sequence()
                 index.extend(tokens)
@@ -378,15 +391,11 @@ class SuffixCache:
 
     def speculate(self, rid: Hashable, context: Sequence[int], max_spec_tokens: int | None = None) -> SuffixDraft:
         """The best linear draft after ``context`` (the request's committed tokens, root included)."""
-        c = self.config
-        limit = c.max_spec_tokens if max_spec_tokens is None else min(max_spec_tokens, c.max_spec_tokens)
-        args = (limit, c.max_spec_factor, c.max_spec_offset, c.min_token_prob)
-        tail = context[-c.max_depth:]
         best = SuffixDraft()
         if rid in self._local:  # the request's own sequence: its draft continues it
-            best = self._local[rid].speculate(tail, *args, own=True, loop_min_tokens=c.loop_min_tokens)
+            best = self._local[rid].draft(context, self.config, max_spec_tokens, own=True)
         if self._global is not None:
-            other = self._global.speculate(tail, *args)
+            other = self._global.draft(context, self.config, max_spec_tokens)
             if other.score > best.score:
                 best = other
         return best

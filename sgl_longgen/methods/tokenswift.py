@@ -89,7 +89,7 @@ class TokenSwift:
         pool = NgramPool(ng.n, ng.top_k) if ng.enabled else None
         policy = PartialKVPolicy(self.config.partial_kv, self.num_layers, self.num_kv_heads)
         policy.reset(seq_len)
-        index = SuffixIndex(self.suffix.max_depth, self.suffix.max_occurrences) if self.suffix is not None else None
+        index = SuffixIndex.for_config(self.suffix) if self.suffix is not None else None
         return TokenSwiftState(pool, policy, index)
 
     def view(self, state: TokenSwiftState) -> DraftView:
@@ -137,11 +137,8 @@ class TokenSwift:
         if state.suffix is not None:
             state.suffix.extend(history[state.indexed :])
             state.indexed = len(history)
-            s = self.suffix
             # The request's own history: its draft reads as history, a loop drafts the whole budget.
-            state.continuation = state.suffix.speculate(history, s.max_spec_tokens, s.max_spec_factor,
-                                                        s.max_spec_offset, s.min_token_prob, own=True,
-                                                        loop_min_tokens=s.loop_min_tokens).tokens
+            state.continuation = state.suffix.draft(history, self.suffix, own=True).tokens
 
     @staticmethod
     def penalty_window(history: Sequence[int], sampling: SamplingConfig) -> set[int] | None:
