@@ -135,13 +135,32 @@ def with_engine(kw: dict[str, Any], adaptive: bool, body: Callable[[Any], Any]) 
         stop_engine(engine)
 
 
-def request(engine, prompts: list[list[int]], params: dict, penalty_processor: str | None) -> tuple[list[dict], float]:
+def request(engine, prompts: list[list[int]], params: dict, penalty_processor: str | None,
+            **kwargs: Any) -> tuple[list[dict], float]:
     """``prompts`` run together; their outputs and the wall seconds."""
-    kwargs = {"custom_logit_processor": [penalty_processor] * len(prompts)} if penalty_processor else {}
+    if penalty_processor:
+        kwargs["custom_logit_processor"] = [penalty_processor] * len(prompts)
     t = time.perf_counter()
     out = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts), **kwargs)
     wall = time.perf_counter() - t
     return (out if isinstance(out, list) else [out]), wall
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (a length mismatch counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(meta: dict, position: int) -> float | None:
+    """The log-probability gap between the best two tokens at ``position`` of an output requested
+    with ``return_logprob=True, top_logprobs_num=2``: how close greedy decoding was to a tie there."""
+    tops = meta.get("output_top_logprobs") or []
+    if position >= len(tops) or not tops[position] or len(tops[position]) < 2:
+        return None
+    return float(tops[position][0][0] - tops[position][1][0])
 
 
 def steps_of(meta: dict) -> int | None:
@@ -166,14 +185,21 @@ def sampling_params(decoding: str, penalty: float, window: int, max_new_tokens: 
 
 def acceptance_row(method: str, decoding: str, penalty: float, outputs: list[tuple[dict, list[int], float]],
                    baseline: dict[str, list[int]] | None, distinct: Callable[[list[int], int], float],
-                   distinct_n: tuple[int, ...]) -> tuple[dict, list[dict]]:
+                   distinct_n: tuple[int, ...], gaps: dict[str, list[float | None]] | None = None
+                   ) -> tuple[dict, list[dict]]:
     """One (setting, method) row from ``(prompt item, output ids and meta, wall s)`` per prompt,
-    and its per-prompt records. tau = completion tokens / verify steps over all prompts."""
+    and its per-prompt records. tau = completion tokens / verify steps over all prompts.
+
+    A greedy output that differs from plain decoding's records where (``first_difference``) and,
+    from ``gaps`` (plain decoding's top-2 log-probability gap per position), how close plain
+    decoding was to a tie there (``tie_gap``): on a GPU the verify and decode kernels round
+    differently, and in bfloat16 a near-tie can flip either way."""
     tokens = steps = 0
     seconds = 0.0
     accept_rates: list[float] = []
     dist = [0.0] * len(distinct_n)
     identical: bool | None = None
+    differences: list[tuple[int, float | None]] = []
     records = []
     for item, out, wall in outputs:
         ids, meta = out["output_ids"], out["meta_info"]
@@ -186,20 +212,28 @@ def acceptance_row(method: str, decoding: str, penalty: float, outputs: list[tup
             accept_rates.append(float(meta["spec_accept_rate"]))
         for i, k in enumerate(distinct_n):
             dist[i] += distinct(ids, k)
-        same = None
+        same = diff = gap = None
         if baseline is not None and decoding == "greedy":
             same = ids == baseline.get(item["id"])
             identical = same and identical is not False
+            if not same:
+                diff = first_difference(ids, baseline.get(item["id"]) or [])
+                plain_gaps = (gaps or {}).get(item["id"]) or []
+                gap = plain_gaps[diff] if diff < len(plain_gaps) else None
+                differences.append((diff, gap))
         records.append({"id": item["id"], "method": method, "decoding": decoding, "penalty": penalty,
                         "num_new_tokens": n, "verify_steps": s, "accept_length": n / s if s else 1.0,
                         "sglang_accept_length": meta.get("spec_accept_length"), "seconds": wall,
-                        "identical": same, "finish_reason": meta.get("finish_reason"),
+                        "identical": same, "first_difference": diff, "tie_gap": gap,
+                        "finish_reason": meta.get("finish_reason"),
                         "distinct": [distinct(ids, k) for k in distinct_n]})
     count = max(len(outputs), 1)
+    first = min(differences, key=lambda d: d[0]) if differences else None
     row = {"method": method, "penalty": penalty, "prompts": len(outputs), "tokens": tokens, "steps": steps,
            "committed": tokens, "decode_seconds": seconds, "tau": tokens / steps if steps else None,
            "alpha": None, "sglang_accept_rate": statistics.fmean(accept_rates) if accept_rates else None,
-           "tokens_per_second": tokens / seconds if seconds else 0.0, "identical": identical, "errors": 0,
+           "tokens_per_second": tokens / seconds if seconds else 0.0, "identical": identical,
+           "first_difference": first[0] if first else None, "tie_gap": first[1] if first else None, "errors": 0,
            "error": None, **{f"distinct_{k}": d / count for k, d in zip(distinct_n, dist)}}
     return row, records
 
@@ -230,6 +264,7 @@ def run_acceptance(args: argparse.Namespace, methods: list[str], prompts: list[d
                                   int(settings["seed"]))
     processor = penalty_processor()
     outputs: dict[tuple[str, str, float], list] = {}
+    gaps: dict[float, dict[str, list[float | None]]] = {}  # plain greedy's top-2 gaps, per penalty and prompt
     failures: dict[str, str] = {}
     # NGRAM last: an engine that cannot start takes the process down with it (SGLang's watchdog),
     # and what ran before is saved by then.
@@ -258,7 +293,8 @@ def run_acceptance(args: argparse.Namespace, methods: list[str], prompts: list[d
                     if got is None:
                         continue
                     row, recs = acceptance_row(method, decoding, penalty, got,
-                                               None if method == BASELINE else baseline, distinct, distinct_n)
+                                               None if method == BASELINE else baseline, distinct, distinct_n,
+                                               gaps.get(penalty))
                     if method == BASELINE:
                         plain_rate = row["tokens_per_second"]
                     row["speedup"] = row["tokens_per_second"] / plain_rate if plain_rate else None
@@ -276,10 +312,21 @@ def run_acceptance(args: argparse.Namespace, methods: list[str], prompts: list[d
 
         def body(engine, method=method):
             own = ALGORITHMS[method] not in (None, "NGRAM")  # our workers apply the penalty themselves
+            for decoding in decodings:  # untimed: first-use compilation (JIT kernels, graphs) is no step's cost
+                for penalty in penalties:
+                    params = sampling_params(decoding, penalty, settings["penalty_window"], 16,
+                                             settings["ignore_eos"], args.temperature, args.min_p)
+                    request(engine, [prompts[0]["input_ids"]], params, None if own or penalty <= 1.0 else processor)
             for decoding in decodings:
                 for penalty in penalties:
                     params = sampling_params(decoding, penalty, settings["penalty_window"], args.max_new_tokens,
                                              settings["ignore_eos"], args.temperature, args.min_p)
+                    if method == BASELINE and decoding == "greedy":  # untimed: how close to a tie each token was
+                        outs, _ = request(engine, [item["input_ids"] for item in prompts], params,
+                                          None if penalty <= 1.0 else processor, return_logprob=True,
+                                          top_logprobs_num=2)
+                        gaps[penalty] = {item["id"]: [top2_gap(o["meta_info"], i) for i in range(len(o["output_ids"]))]
+                                         for item, o in zip(prompts, outs)}
                     got = []
                     for item in prompts:  # one at a time: tokens/s per request, as the runtime measures it
                         outs, wall = request(engine, [item["input_ids"]], params,
@@ -328,24 +375,39 @@ def dummy_drafts(root: Path, name: str, config: dict, methods: list[str]) -> tup
     return model, drafts
 
 
-def time_request(engine, prompt: list[int], batch: int, params: dict, n: int, one_token_s: float) -> dict:
-    """``batch`` copies of ``prompt``, ``n + 1`` new tokens each, less the 1-token request's wall
-    (its prefill, the prompt already cached): ms per token and, with speculation, per step."""
-    outs, wall = request(engine, [prompt] * batch, {**params, "max_new_tokens": n + 1}, None)
-    decode_ms = max(wall - one_token_s, 0.0) * 1e3
+def timed(engine, prompt: list[int], batch: int, params: dict, new_tokens: int) -> tuple[float, int, list[dict]]:
+    """``batch`` copies of ``prompt`` with ``new_tokens`` each: (wall s, the batch's steps, outputs).
+    Steps: target forwards after the prefill, as the batch takes them together (its longest
+    request's ``spec_verify_ct``; plain decoding: one per token after the prefill's)."""
+    outs, wall = request(engine, [prompt] * batch, {**params, "max_new_tokens": new_tokens}, None)
     steps = [steps_of(o["meta_info"]) for o in outs]
-    row: dict[str, Any] = {"ms_per_token": round(decode_ms / n, 3)}
-    if all(s for s in steps):
-        # The batch steps together until its longest request ends: that many batched steps.
-        row["steps"] = max(steps)
-        row["ms_per_step"] = round(decode_ms / max(steps), 3)
-        row["tau"] = round(statistics.fmean(int(o["meta_info"]["completion_tokens"]) / s for o, s in zip(outs, steps)), 3)
-    return row
+    if all(s is not None for s in steps):
+        return wall, max(steps), outs
+    return wall, max(int(o["meta_info"]["completion_tokens"]) for o in outs) - 1, outs
+
+
+def step_figures(short: tuple[float, int, int], long: tuple[float, int, int]) -> dict[str, float | None]:
+    """ms per token and per step from two requests of one prompt and batch, ``(wall s, new tokens,
+    steps)`` each: the difference of their walls over the difference of their tokens and steps.
+
+    Whatever every request pays once (the prefill of its cached prompt, a method's per-request
+    set-up, the first token) cancels out, so a step costs what it costs in a long generation;
+    ``request_ms`` is that fixed part, the short request's wall less its steps. Dividing one
+    request's wall by its steps, or subtracting a 1-token request's wall, lets a single noisy
+    sample or a set-up of hundreds of milliseconds pass for step time."""
+    (w0, n0, s0), (w1, n1, s1) = short, long
+    dw = (w1 - w0) * 1e3
+    ms_token = dw / (n1 - n0) if n1 > n0 else None
+    ms_step = dw / (s1 - s0) if s1 > s0 else None
+    return {"ms_per_token": None if ms_token is None else round(ms_token, 3),
+            "ms_per_step": None if ms_step is None else round(ms_step, 3),
+            "request_ms": None if ms_step is None else round(w0 * 1e3 - s0 * ms_step, 1)}
 
 
 def measure_engine(engine, method: str, contexts: list[int], batches: list[int], n: int, vocab: int,
                    log: Callable[[str], None]) -> list[dict]:
-    """Every (context, batch) of one engine: greedy and sampled (T=1) requests of ``n + 1`` tokens.
+    """Every (context, batch) of one engine: greedy and sampled (T=1) requests of ``1 + n // 4``
+    and ``1 + n`` new tokens (:func:`step_figures`).
 
     The batch is ``batch`` copies of one prompt: each request still reads its whole context every
     step (its own slot table), and the prompt's one prefill, kept by the radix cache, serves every
@@ -353,18 +415,31 @@ def measure_engine(engine, method: str, contexts: list[int], batches: list[int],
     rng = random.Random(0)
     greedy = {"temperature": 0.0, "ignore_eos": True}
     sampled = {"temperature": 1.0, "ignore_eos": True}
+    short, long = 1 + n // 4, 1 + n
     rows = []
     warm = [rng.randrange(1000, vocab - 1000) for _ in range(512)]
-    request(engine, [warm], {**greedy, "max_new_tokens": 64}, None)  # first-use compilation, drafter graphs
+    for batch in batches:  # first-use compilation (drafter graphs and kernels per batch size, sampling kernels)
+        for params in (greedy, sampled):
+            request(engine, [warm] * batch, {**params, "max_new_tokens": 64}, None)
     for context in contexts:
         prompt = [rng.randrange(1000, vocab - 1000) for _ in range(context)]
         request(engine, [prompt], {**greedy, "max_new_tokens": 1}, None)  # the prefill, into the radix cache
         for batch in batches:
-            _, one = request(engine, [prompt] * batch, {**greedy, "max_new_tokens": 1}, None)
-            row: dict[str, Any] = {"method": method, "context": context, "batch": batch, "one_token_s": round(one, 4)}
+            row: dict[str, Any] = {"method": method, "context": context, "batch": batch,
+                                   "new_tokens": [short, long]}
             for name, params in (("greedy", greedy), ("sampled", sampled)):
-                for key, value in time_request(engine, prompt, batch, params, n, one).items():
+                w0, s0, _ = timed(engine, prompt, batch, params, short)
+                w1, s1, outs = timed(engine, prompt, batch, params, long)
+                for key, value in step_figures((w0, short, s0), (w1, long, s1)).items():
                     row[f"{name}_{key}"] = value
+                if method != BASELINE:
+                    row[f"{name}_steps"] = s1
+                    row[f"{name}_tau"] = round(statistics.fmean(
+                        int(o["meta_info"]["completion_tokens"]) / max(steps_of(o["meta_info"]) or 1, 1)
+                        for o in outs), 3)
+            if method == BASELINE:  # one token per step: its step is its token
+                for name in ("greedy", "sampled"):
+                    row.pop(f"{name}_ms_per_step")
             row["figure"] = MEASURED
             rows.append(row)
             log(f"  context {context} batch {batch}: " + ", ".join(

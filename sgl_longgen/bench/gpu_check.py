@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 from ..sglang.engine import open_engine
+from .engine_bench import first_difference, top2_gap
 from ..sglang.host_profile import PROFILE_ENV, PROFILE_PARAM
 from ..sglang.timing import STEPS_PARAM, TIMING_PARAM
 
@@ -237,20 +238,6 @@ def host_figures(steps: list[dict], tau: float | None) -> dict[str, float]:
         if _values(steps, share):
             out[f"{share}_share"] = round(step_mean(steps, share), 3)
     return out
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def top2_gap(meta: dict, position: int) -> float | None:
-    tops = meta.get("output_top_logprobs") or []
-    if position >= len(tops) or not tops[position] or len(tops[position]) < 2:
-        return None
-    return float(tops[position][0][0] - tops[position][1][0])
 
 
 def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> dict:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LonggenError
+from .engine_bench import first_difference
 
 JOBS = ("plain", "tokenswift")
 
@@ -141,8 +142,7 @@ def report(args: argparse.Namespace) -> dict:
     if plain:
         n = len(plain["output_ids"])
         a, b = ts["output_ids"][:n], plain["output_ids"]
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        result["greedy_identity"] = {"tokens": n, "identical": a == b, "first_difference": first}
+        result["greedy_identity"] = {"tokens": n, "identical": a == b, "first_difference": first_difference(a, b)}
     result["ms_per_token_by_position"] = rates(ts.get("timeline", []), args.bin_tokens)
     if plain:
         result["plain_ms_per_token_by_position"] = rates(plain.get("timeline", []), args.bin_tokens)

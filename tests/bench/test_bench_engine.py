@@ -203,3 +203,53 @@ def test_bench_imports_without_sglang():
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+# -- what the step-cost requests and the identity check compute --------------------------------------
+
+
+def test_step_figures_cancel_what_each_request_pays_once():
+    """A request that pays 700 ms once (a method's set-up over a long prompt, the prefill of its
+    cached prompt) and 20 ms a step: the two-length difference recovers the step and the set-up,
+    where one request's wall over its steps would give 60 ms."""
+    setup, step = 0.7, 0.020
+    short = (setup + 16 * step, 17, 16)  # (wall s, new tokens, steps)
+    long = (setup + 64 * step, 65, 64)
+    got = engine_bench.step_figures(short, long)
+    assert got["ms_per_step"] == pytest.approx(20.0) and got["ms_per_token"] == pytest.approx(20.0)
+    assert got["request_ms"] == pytest.approx(700.0)
+    assert long[0] / long[2] * 1e3 == pytest.approx(30.9375)  # what dividing one wall by its steps says
+    # Speculation: 4 tokens a step; the difference of steps, not of tokens, prices a step.
+    spec = engine_bench.step_figures((setup + 4 * step, 17, 4), (setup + 16 * step, 65, 16))
+    assert spec["ms_per_step"] == pytest.approx(20.0) and spec["ms_per_token"] == pytest.approx(5.0)
+    # No more steps in the longer request (everything accepted in one): no step figure, not a made-up one.
+    flat = engine_bench.step_figures((0.5, 17, 1), (0.51, 65, 1))
+    assert flat["ms_per_step"] is None and flat["request_ms"] is None and flat["ms_per_token"] is not None
+
+
+def test_a_greedy_difference_reports_where_and_how_close_plain_decoding_was_to_a_tie(tmp_path):
+    def out(ids):
+        return {"output_ids": ids, "meta_info": {"completion_tokens": len(ids), "spec_verify_ct": 2}}
+
+    items = [{"id": "a"}, {"id": "b"}]
+    baseline = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}
+    gaps = {"a": [2.0, 1.5, 0.004, 3.0], "b": [1.0, 0.5, 0.3, 0.2]}
+    outputs = [(items[0], out([1, 2, 9, 9]), 0.1), (items[1], out([5, 6, 7, 8]), 0.1)]
+    row, records = engine_bench.acceptance_row("owl", "greedy", 1.0, outputs, baseline, lambda ids, k: 0.0, (1,), gaps)
+    assert row["identical"] is False and row["first_difference"] == 2 and row["tie_gap"] == pytest.approx(0.004)
+    assert [(r["first_difference"], r["tie_gap"]) for r in records] == [(2, 0.004), (None, None)]
+    assert bench.is_tie(row, 0.01) and not bench.is_tie(row, 0.001) and not bench.is_tie(row, 0.0)
+    far = engine_bench.acceptance_row("owl", "greedy", 1.0, [(items[1], out([5, 0, 7, 8]), 0.1)], baseline,
+                                      lambda ids, k: 0.0, (1,), gaps)[0]
+    assert far["first_difference"] == 1 and not bench.is_tie(far, 0.01)  # a 0.5-nat gap is no tie
+    table = "\n".join(bench.acceptance_table([{**row, "setting": GREEDY, "speedup": 1.0, "distinct_1": 0.5,
+                                               "distinct_2": 0.5, "distinct_3": 0.5, "distinct_4": 0.5}]))
+    assert "**NO** (from token 2; plain's top-2 gap there 0.0040)" in table
+    assert engine_bench.first_difference([1, 2], [1, 2, 3]) == 2 and engine_bench.first_difference([1], [1]) is None
+
+
+def test_tie_tolerance_input_checks(cli, tmp_path):
+    line = one_error_line(cli("bench", "--engine", "sglang", "--tie-tolerance", "-1", "--out", str(tmp_path / "b")))
+    assert "--tie-tolerance" in line and ">= 0" in line
+    line = one_error_line(cli("bench", "--tie-tolerance", "0.01", "--out", str(tmp_path / "b")))
+    assert "--tie-tolerance" in line and "--engine sglang" in line
