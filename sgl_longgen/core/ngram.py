@@ -225,13 +225,12 @@ class NgramPool:
         if group is None:
             return conts
         lo, hi = group
-        for row, c, p in zip(self._packed_conts[lo:hi].tolist(), self._packed_counts[lo:hi].tolist(),
-                             self._packed_last[lo:hi].tolist()):
-            conts[pack(row)] = c << POSITION_BITS | p
+        keys = _pack_rows(self._packed_conts[lo:hi])
+        conts.update(zip(keys, _entries(self._packed_counts[lo:hi], self._packed_last[lo:hi])))
         if self.top_k > 0:
-            self._best[first] = tuple(heapq.nlargest(self.top_k, conts, key=conts.__getitem__))
+            rows = self._packed_best.pop(first, None) or self._ranked_rows(lo, hi, self.top_k)
+            self._best[first] = tuple(keys[r - lo] for r in rows)
         self._packed_pending -= hi - lo
-        self._packed_best.pop(first, None)
         return conts
 
     def _extend_packed(self, window: np.ndarray, start: int) -> None:
@@ -268,9 +267,8 @@ class NgramPool:
         """Add counted records (each n-gram once, with its count and latest start) to the dicts of
         their unpacked first tokens, then rank each touched one once."""
         table, touched = self._table, set()
-        for first, row, c, p in zip(owner.tolist(), conts.tolist(), counts.tolist(), last.tolist()):
+        for first, key, c, p in zip(owner.tolist(), _pack_rows(conts), counts.tolist(), last.tolist()):
             d = table[first]
-            key = pack(row)
             entry = d.get(key)
             d[key] = (c if entry is None else (entry >> POSITION_BITS) + c) << POSITION_BITS | p
             touched.add(first)
@@ -278,6 +276,26 @@ class NgramPool:
             for first in touched:
                 d = table[first]
                 self._best[first] = tuple(heapq.nlargest(self.top_k, d, key=d.__getitem__))
+
+
+def _pack_rows(conts: np.ndarray) -> list[int]:
+    """:func:`pack` of each row of ``conts``: two tokens per 64-bit word in numpy, then the words
+    joined as Python ints (one op per word beyond the first, not one per token)."""
+    words = []
+    for j in range(0, conts.shape[1], 2):
+        word = conts[:, j].astype(np.uint64)
+        if j + 1 < conts.shape[1]:
+            word |= conts[:, j + 1].astype(np.uint64) << np.uint64(TOKEN_BITS)
+        words.append(word.tolist())
+    keys = words[0]
+    for i, word in enumerate(words[1:], 1):
+        keys = [k | w << (2 * TOKEN_BITS * i) for k, w in zip(keys, word)]
+    return keys
+
+
+def _entries(counts: np.ndarray, last: np.ndarray) -> list[int]:
+    """The rank keys ``count << POSITION_BITS | last`` (Python ints: a count may not fit numpy's)."""
+    return [c << POSITION_BITS | p for c, p in zip(counts.tolist(), last.tolist())]
 
 
 def _groups(owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
