@@ -39,7 +39,8 @@ occurrences of the length-p context suffix are those of length p - 1 filtered by
 comparison (``seq[e - p] == context[-p]``); a walk step groups the tokens that follow the current
 occurrences and keeps the positions of the chosen one. Costs:
 
-* indexing: O(1) amortised per token (one array append per token);
+* indexing: O(1) amortised per token (one array append per token; a long extend: one sort of its
+  tokens and one linear merge, below);
 * matching: ``O(sum_p |E_p|)`` where ``E_p`` are the occurrences of the length-p suffix; the walk of
   a match costs ``O(|E_p|)`` per drafted token. Both grow with a pattern's copies, without bound on
   a loop (a greedy 8B model looping with period 2 for 90K tokens: 45K copies, 157 ms a query on
