@@ -39,7 +39,8 @@ occurrences of the length-p context suffix are those of length p - 1 filtered by
 comparison (``seq[e - p] == context[-p]``); a walk step groups the tokens that follow the current
 occurrences and keeps the positions of the chosen one. Costs:
 
-* indexing: O(1) amortised per token (one array append per token);
+* indexing: O(1) amortised per token (one array append per token; a long extend: one sort of its
+  tokens and one linear merge, below);
 * matching: ``O(sum_p |E_p|)`` where ``E_p`` are the occurrences of the length-p suffix; the walk of
   a match costs ``O(|E_p|)`` per drafted token. Both grow with a pattern's copies, without bound on
   a loop (a greedy 8B model looping with period 2 for 90K tokens: 45K copies, 157 ms a query on
@@ -52,9 +53,23 @@ occurrences and keeps the positions of the chosen one. Costs:
   those that cannot beat the best score found, so on repetitive text only one or two walks run. On
   a 100K-token history a query takes well under a millisecond to a few milliseconds.
 
-Memory is about 16 bytes per indexed token (the token and its position entry; up to twice that
-while the arrays grow). The index holds numpy arrays and ints only, one array per distinct token and
-no Python object per token or per occurrence list: the garbage collector tracks none of them, so
+A long extend (a prompt, a resumed generation, a finished output joining the global index) would
+still pay one Python step per distinct token: a 98K-token prompt of a 128K vocabulary has about
+68K of them, a fifth of a second in the serving loop. So the occurrences live in two layers: a
+*packed* layer, every position before ``_packed_until`` grouped by token in three arrays (the
+tokens in order, each one's offset, the end positions: a token's occurrences are one slice), and
+per-token arrays for the tokens appended to since. A short extend appends to a token's own array,
+first copying its packed slice there, so a token's occurrences are its own array if it has one,
+its packed slice otherwise: the same ascending positions either way. A long extend (at least
+``_BULK`` tokens, and at least 1/``_BULK_SHARE`` of what is packed already) instead merges every
+position since ``_packed_until`` into the packed layer (one stable sort of those tokens and one
+linear merge: numpy calls only) and drops the per-token arrays, whose positions are all packed by
+then. The occurrences, hence every match, walk and draft, are those the per-token path gives.
+
+Memory is about 16 bytes per indexed token (the token and its position entry, plus up to twice a
+token's positions while its own array grows from its packed slice). The index holds numpy arrays
+and ints only, one array per distinct token and no Python object per token or per occurrence list:
+the garbage collector tracks none of them, so
 indexing a 100K-token prompt of a 128K vocabulary does not add tens of thousands of objects to
 every full collection of the serving process (nor trigger one). Several sequences can
 share one index (the global index over past outputs): they are separated by a sentinel that no
@@ -73,6 +88,11 @@ import numpy as np
 from ..config import SuffixConfig
 
 SENTINEL = -1
+# An extend of at least this many tokens, and of at least 1/_BULK_SHARE of the packed positions (the
+# merge reads them all), is merged into the packed layer (see the module docstring).
+_BULK = 1024
+_BULK_SHARE = 16
+_EMPTY = np.empty(0, dtype=np.int64)
 
 
 def _with_room(data: np.ndarray | None, size: int, n: int) -> np.ndarray:
@@ -131,10 +151,17 @@ class SuffixIndex:
         self.max_depth = max_depth
         self.max_occurrences = max_occurrences
         self._seq = _Growable(1024)
-        # token -> its end positions, in an array with room to grow, and how many there are.
-        # Arrays and ints only: the garbage collector tracks neither (see the module docstring).
+        # token -> its end positions, in an array with room to grow, and how many there are: the
+        # tokens appended to since the last merge. Arrays and ints only: the garbage collector
+        # tracks neither (see the module docstring).
         self._ends: dict[int, np.ndarray] = {}
         self._sizes: dict[int, int] = {}
+        # The packed layer: the end positions e <= _packed_until grouped by token (ascending within
+        # one), _packed_tokens[i]'s at _packed_ends[_packed_offsets[i]:_packed_offsets[i + 1]].
+        self._packed_until = 0
+        self._packed_tokens = _EMPTY
+        self._packed_offsets = np.zeros(1, dtype=np.int64)
+        self._packed_ends = _EMPTY
 
     @classmethod
     def for_config(cls, config: SuffixConfig) -> SuffixIndex:
@@ -152,6 +179,9 @@ class SuffixIndex:
             raise ValueError("token ids must be non-negative")
         start = self._seq.size
         self._seq.extend(arr)
+        if arr.size >= _BULK and arr.size * _BULK_SHARE >= self._packed_ends.size:
+            self._merge()
+            return
         ends = np.arange(start + 1, start + 1 + arr.size, dtype=np.int64)
         if arr.size > 64:
             # Group by token: one append per distinct token instead of one per position.
@@ -169,17 +199,65 @@ class SuffixIndex:
         if self._seq.size and self._seq.data[self._seq.size - 1] != SENTINEL:
             self._seq.append(SENTINEL)
 
+    def _merge(self) -> None:
+        """Move every position since ``_packed_until`` into the packed layer.
+
+        The new positions are grouped by token with a stable sort (ascending within a token), then
+        merged after the packed ones: a stable sort of two sorted runs is one linear merge, and
+        a token's packed positions all come before its new ones. The per-token arrays only ever
+        hold positions that are packed now, so they go.
+        """
+        seq, until = self._seq.view(), self._packed_until
+        tokens = seq[until:]
+        ends = np.arange(until + 1, seq.shape[0] + 1, dtype=np.int64)
+        real = tokens != SENTINEL
+        if not real.all():
+            tokens, ends = tokens[real], ends[real]
+        order = np.argsort(tokens, kind="stable")
+        tokens, ends = tokens[order], ends[order]
+        if self._packed_ends.size:
+            packed = np.repeat(self._packed_tokens, np.diff(self._packed_offsets))
+            tokens = np.concatenate([packed, tokens])
+            order = np.argsort(tokens, kind="stable")
+            tokens, ends = tokens[order], np.concatenate([self._packed_ends, ends])[order]
+        starts = np.flatnonzero(tokens[1:] != tokens[:-1]) + 1
+        self._packed_tokens = tokens[np.concatenate([[0], starts])]
+        self._packed_offsets = np.concatenate([[0], starts, [tokens.size]]).astype(np.int64)
+        self._packed_ends = ends
+        self._packed_until = seq.shape[0]
+        self._ends, self._sizes = {}, {}
+
+    def _packed(self, tok: int) -> np.ndarray | None:
+        """``tok``'s packed end positions (a view), None if it has none."""
+        tokens = self._packed_tokens
+        i = int(np.searchsorted(tokens, tok))
+        if i == tokens.shape[0] or tokens[i] != tok:
+            return None
+        return self._packed_ends[self._packed_offsets[i] : self._packed_offsets[i + 1]]
+
     def _append(self, tok: int, ends) -> None:
-        """Append end positions (an int or an array) to ``tok``'s, in amortised O(1) per position."""
+        """Append end positions (an int or an array) to ``tok``'s, in amortised O(1) per position.
+
+        A token's first append since the last merge copies its packed positions into its own array
+        (``_with_room`` always copies a slice that has no room), which holds them all from then on.
+        """
         n = 1 if isinstance(ends, int) else ends.shape[0]
-        size = self._sizes.get(tok, 0)
-        data = self._ends[tok] = _with_room(self._ends.get(tok), size, n)
+        size = self._sizes.get(tok)
+        if size is None:
+            data = self._packed(tok)
+            size = 0 if data is None else data.shape[0]
+        else:
+            data = self._ends[tok]
+        data = self._ends[tok] = _with_room(data, size, n)
         data[size : size + n] = ends
         self._sizes[tok] = size + n
 
     def _occurrences(self, tok: int) -> np.ndarray | None:
+        """End positions of ``tok``'s occurrences, ascending; None if it never occurred."""
         data = self._ends.get(tok)
-        return None if data is None else data[: self._sizes[tok]]
+        if data is None:
+            return self._packed(tok)
+        return data[: self._sizes[tok]]
 
     # -- queries -------------------------------------------------------------------------------
 

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from sgl_longgen.config import SuffixConfig
-from sgl_longgen.core.suffix import SENTINEL, SuffixCache, SuffixIndex
+from sgl_longgen.core.suffix import (
+    _BULK,
+    _BULK_SHARE,
+    SENTINEL,
+    SuffixCache,
+    SuffixIndex,
+)
 
 
 def brute_force(arr: list[int], context: list[int], max_depth: int, max_tokens: int, factor: float,
@@ -125,6 +131,112 @@ def test_incremental_extension_equals_bulk_indexing():
         assert (a.tokens, a.score) == (b.tokens, b.score)
 
 
+def loop_sequence(rng: random.Random, length: int, vocab: int) -> list[int]:
+    """Random text that falls into loops of short periods (a greedy model's repetition)."""
+    out: list[int] = []
+    while len(out) < length:
+        period = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        out.extend(period * rng.randint(2, 200))
+        out.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 20)))
+    return out[:length]
+
+
+def token_by_token(pieces: list[list[int] | None], max_occurrences: int = 0) -> SuffixIndex:
+    """The index the per-token path builds: one extend per token (None: end the sequence)."""
+    index = SuffixIndex(64, max_occurrences)
+    for piece in pieces:
+        if piece is None:
+            index.end_sequence()
+        for t in piece or ():
+            index.extend([t])
+    return index
+
+
+def assert_same_index(got: SuffixIndex, want: SuffixIndex, seq: list[int]) -> None:
+    """Same sequence, the brute-force occurrences of every token (and of one never seen), and the
+    same matches and drafts (foreign and own, with and without the loop budget) at several ends."""
+    assert len(got) == len(want) == len(seq)
+    assert np.array_equal(got._seq.view(), np.asarray(seq, dtype=np.int64))
+    where: dict[int, list[int]] = {}
+    for e, t in enumerate(seq, 1):
+        if t != SENTINEL:
+            where.setdefault(t, []).append(e)
+    for t in [*where, max(where) + 1]:
+        occ = got._occurrences(t)
+        assert (occ is None and t not in where) or occ.tolist() == where[t], t
+    config = SuffixConfig(max_occurrences=got.max_occurrences)
+    real = [i for i, t in enumerate(seq) if t != SENTINEL]
+    for cut in {real[0] + 1, real[len(real) // 2] + 1, real[-1], real[-1] + 1}:
+        ctx = [t for t in seq[max(0, cut - 80) : cut] if t != SENTINEL]
+        assert [m.tolist() for m in got.matches(ctx)] == [m.tolist() for m in want.matches(ctx)]
+        for own in (False, True):
+            for cfg in (config, SuffixConfig(max_occurrences=got.max_occurrences, loop_min_tokens=0)):
+                a, b = got.draft(ctx, cfg, own=own), want.draft(ctx, cfg, own=own)
+                assert (a.tokens, a.probs, a.score, a.match_len) == (b.tokens, b.probs, b.score, b.match_len)
+
+
+@pytest.mark.parametrize("kind", ["random", "loop"])
+@pytest.mark.parametrize("size", [_BULK - 1, _BULK, _BULK + 1, 3 * _BULK + 17])
+def test_a_long_extend_packs_exactly_what_the_per_token_path_indexes(kind, size):
+    """One extend of a prompt-sized piece (packed at and above ``_BULK`` tokens) holds the same
+    occurrences, matches and drafts as indexing the tokens one by one."""
+    rng = random.Random(size)
+    seq = random_sequence(rng, size, 5000) if kind == "random" else loop_sequence(rng, size, 50)
+    index = SuffixIndex(64)
+    index.extend(seq)
+    assert index._packed_until == (size if size >= _BULK else 0)  # the bulk path was taken, or not
+    assert_same_index(index, token_by_token([seq]), seq)
+
+
+@pytest.mark.parametrize("cap", [0, 16])
+def test_packed_then_incremental_then_packed_again_equals_the_per_token_path(cap):
+    """A packed prompt, short extends touching its tokens (each copies its packed positions),
+    another long extend merged into the packed layer, a long one too small beside it to merge,
+    and a second sequence: every stage equals the per-token index (``max_occurrences`` included)."""
+    rng = random.Random(cap)
+    prompt = loop_sequence(rng, _BULK_SHARE * _BULK + 5, 40)
+    pieces: list[list[int] | None] = [prompt]
+    index = SuffixIndex(64, cap)
+    index.extend(prompt)
+    assert index._packed_until == len(prompt)
+    seq = list(prompt)
+    for _ in range(60):  # the steps of a generation: one to a few tokens, mostly seen before
+        piece = [rng.choice(prompt) for _ in range(rng.randint(1, 4))]
+        pieces.append(piece)
+        index.extend(piece)
+        seq += piece
+    assert index._ends and index._packed_until == len(prompt)
+    assert_same_index(index, token_by_token(pieces, cap), seq)
+    for piece, merged in ((random_sequence(rng, 2 * _BULK + 300, 60), True),  # the packed and the loose merge
+                          (None, False),
+                          (loop_sequence(rng, 70, 40), False),
+                          (random_sequence(rng, _BULK, 60), False)):  # below 1/_BULK_SHARE of the packed
+        if piece is None:
+            index.end_sequence()
+            seq.append(SENTINEL)
+        else:
+            assert merged == (len(piece) >= _BULK and len(piece) * _BULK_SHARE >= len(seq))
+            index.extend(piece)
+            seq += piece
+            assert (index._packed_until == len(seq)) == merged
+        pieces.append(piece)
+        assert_same_index(index, token_by_token(pieces, cap), seq)
+    index.end_sequence()
+    big = random_sequence(rng, len(seq) // _BULK_SHARE + _BULK, 70)  # a global index's next output
+    index.extend(big)
+    assert index._packed_until == len(seq) + 1 + len(big) and not index._ends
+    assert_same_index(index, token_by_token([*pieces, None, big], cap), seq + [SENTINEL] + big)
+
+
+def test_a_long_extend_with_a_bad_token_is_refused_and_changes_nothing():
+    index = SuffixIndex(64)
+    prompt = list(range(2 * _BULK))
+    index.extend(prompt)
+    with pytest.raises(ValueError, match="non-negative"):
+        index.extend(prompt[:-1] + [-3])
+    assert len(index) == len(prompt) and index._occurrences(5).tolist() == [6]
+
+
 def test_a_repeated_block_is_drafted_in_full_within_the_budget():
     rng = random.Random(5)
     block = [rng.randrange(1000) for _ in range(30)]
@@ -230,7 +342,8 @@ def test_a_repeating_stretch_takes_one_walk_per_occurrence_set():
 
 def test_the_index_holds_no_object_the_collector_tracks_per_token():
     """Indexing 20K tokens of a large vocabulary (thousands of distinct tokens, each with its own
-    occurrence array) leaves a handful of objects for the garbage collector, not one per token."""
+    occurrence array, or a slice of the packed layer after one long extend) leaves a handful of
+    objects for the garbage collector, not one per token."""
     from helpers import gc_tracked_reachable
 
     rng = random.Random(4)
@@ -239,7 +352,7 @@ def test_the_index_holds_no_object_the_collector_tracks_per_token():
     bulk.extend(seq)
     for i in range(0, len(seq), 3):
         step.extend(seq[i : i + 3])
-    assert len(bulk._ends) > 5_000
+    assert len(step._ends) > 5_000 and bulk._packed_tokens.size > 5_000
     assert gc_tracked_reachable(bulk) <= 8 and gc_tracked_reachable(step) <= 8
     for cut in (1000, 19_999, 20_000):
         a, b = bulk.speculate(seq[:cut], 32, 2.0), step.speculate(seq[:cut], 32, 2.0)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from helpers import path_nodes
 
-from sgl_longgen.core.ngram import NgramPool
+from sgl_longgen.core import ngram
+from sgl_longgen.core.ngram import _BULK, _BULK_SHARE, NgramPool
 from sgl_longgen.core.tree import DraftTree, Source, bits_to_rows, cartesian_rows
 
 
@@ -166,6 +167,7 @@ def test_ngram_pool_packs_its_ngrams_into_ints_the_collector_never_tracks():
         pool.extend(seq[:5_000])
         for end in range(5_000, len(seq) + 1, 3):  # the per-step path too
             pool.extend(seq, limit=end)
+            pool.lookup(seq[end - 20_000])  # first tokens still packed: their ranked rows are kept
     finally:
         gc.enable()
     assert len(pool) > 15_000
@@ -179,3 +181,116 @@ def test_ngram_pool_packs_its_ngrams_into_ints_the_collector_never_tracks():
     assert pool.lookup(big) == [c for c, _ in sorted(want[big].items(), key=lambda kv: kv[1], reverse=True)][:20]
     with pytest.raises(ValueError, match="n-gram tokens"):
         NgramPool(n=3).extend([1, -2, 3, 4])
+
+
+def loop_sequence(rng: random.Random, length: int, vocab: int) -> list[int]:
+    """Random text that falls into loops of short periods (a greedy model's repetition)."""
+    out: list[int] = []
+    while len(out) < length:
+        period = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        out.extend(period * rng.randint(2, 200))
+        out.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 20)))
+    return out[:length]
+
+
+def per_ngram(seq: list[int], ends: list[int], n: int, top_k: int) -> NgramPool:
+    """The pool the per-token path builds: one n-gram per extend, up to each of ``ends`` in turn."""
+    pool = NgramPool(n, top_k)
+    for end in ends:
+        for e in range(min(pool.indexed_until, end), end + 1):
+            pool.extend(seq, limit=e)
+    return pool
+
+
+def assert_same_pool(got: NgramPool, want: NgramPool, seq: list[int]) -> None:
+    """Same n-grams, counts and last positions, size, indexed prefix, and the same lookups (the kept
+    top_k and beyond it, ties included) for every first token and for one never seen."""
+    assert got.counts() == want.counts()
+    assert len(got) == len(want) and got.indexed_until == want.indexed_until
+    for first in [*set(seq), max(seq) + 1]:
+        for k in (None, 1, 3, got.top_k + 4):
+            assert got.lookup(first, k) == want.lookup(first, k), (first, k)
+
+
+def sequence(kind: str, rng: random.Random, length: int) -> list[int]:
+    if kind == "random":
+        return [rng.randrange(100_000) for _ in range(length)]
+    if kind == "loop":
+        return loop_sequence(rng, length, 30)
+    return [rng.choice(range(6)) if rng.random() < 0.8 else rng.randrange(40) for _ in range(length)]  # few firsts
+
+
+@pytest.mark.parametrize("kind", ["random", "loop", "skewed"])
+@pytest.mark.parametrize("ngrams", [_BULK, _BULK + 1, 3 * _BULK + 7])
+@pytest.mark.parametrize("n, top_k", [(4, 20), (3, 4), (2, 1)])
+def test_a_long_extend_counts_exactly_what_the_per_token_path_counts(kind, ngrams, n, top_k):
+    """One extend of more than ``_BULK`` n-grams (counted with numpy into the packed layer) gives
+    the same counts, ranks and lookups as indexing the n-grams one by one."""
+    rng = random.Random(ngrams * n)
+    seq = sequence(kind, rng, ngrams + n - 1)
+    pool = NgramPool(n, top_k)
+    pool.extend(seq)
+    assert (pool._packed_counts.size > 0) == (ngrams > _BULK)  # the bulk path was taken, or not
+    assert_same_pool(pool, per_ngram(seq, [len(seq)], n, top_k), seq)
+
+
+@pytest.mark.parametrize("kind", ["random", "loop", "skewed"])
+@pytest.mark.parametrize("n, top_k", [(4, 20), (3, 2), (3, 0)])
+def test_packed_then_per_step_then_packed_again_equals_the_per_token_path(kind, n, top_k):
+    """A packed prompt, per-step extends (each first token they touch is unpacked into its dict),
+    long extends that fold into the packed layer (touched first tokens get their counts in their
+    dicts) or not (too short beside it), and extends under a limit (a penalty window left out):
+    every stage equals the per-token pool, and lookups between stages do not change it."""
+    rng = random.Random(n * 10 + top_k)
+    seq = sequence(kind, rng, 40 * _BULK)
+    pool = NgramPool(n, top_k)
+    ends: list[int] = []
+    end = 2 * _BULK
+    pool.extend(seq, limit=end)
+    ends.append(end)
+    assert pool._packed_counts.size
+    for _ in range(40):  # decode steps
+        end += rng.randint(0, 3)
+        pool.extend(seq, limit=end)
+        pool.lookup(seq[rng.randrange(end)])
+    ends.append(end)
+    assert pool._table and pool._packed_pending
+    assert_same_pool(pool, per_ngram(seq, ends, n, top_k), seq[:end])
+    counted = []
+    bulk = pool._extend_packed
+    pool._extend_packed = lambda window, start: (counted.append(start), bulk(window, start))
+    for step in (_BULK + 40, 5, 2 * _BULK, 30 * _BULK, _BULK + 1, 2 * _BULK):
+        ngrams = end + step - pool.indexed_until  # the n-grams this extend indexes
+        folds = ngrams > _BULK and ngrams * _BULK_SHARE >= len(pool._packed_counts)
+        end += step
+        pool.extend(seq, limit=end)
+        ends.append(end)
+        assert len(counted) == folds
+        counted.clear()
+        assert_same_pool(pool, per_ngram(seq, ends, n, top_k), seq[:end])
+
+
+def test_a_long_extend_whose_continuation_hashes_collide_is_still_exact(monkeypatch):
+    """Continuations of one first token that share a hash are grouped by their tokens instead."""
+    rng = random.Random(1)
+    seq = sequence("skewed", rng, 4 * _BULK)
+    few = lambda conts: conts[0].astype(np.uint64) % np.uint64(3)  # three hash values
+    one = lambda conts: np.zeros(conts[0].shape[0], dtype=np.uint64)  # every hash equal
+    for hashed in (few, one):
+        monkeypatch.setattr(ngram, "_cont_hash", hashed)
+        pool = NgramPool(4, 3)
+        pool.extend(seq[: 2 * _BULK])
+        pool.extend(seq[: 2 * _BULK + 9])
+        pool.extend(seq)  # folded into the packed layer
+        assert_same_pool(pool, per_ngram(seq, [2 * _BULK, 2 * _BULK + 9, len(seq)], 4, 3), seq)
+
+
+@pytest.mark.parametrize("bad", [-2, 1 << 32, 1 << 70])
+def test_a_long_extend_with_a_token_out_of_range_is_refused_and_indexes_nothing(bad):
+    seq = list(range(3 * _BULK))
+    pool = NgramPool(n=3)
+    pool.extend(seq, limit=_BULK * 2)
+    with pytest.raises(ValueError, match="n-gram tokens"):
+        pool.extend(seq[:-5] + [bad] + seq[-4:])
+    assert pool.indexed_until == 2 * _BULK and len(pool) == 2 * _BULK - 2
+    assert pool.lookup(7) == [(8, 9)]

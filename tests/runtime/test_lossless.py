@@ -163,3 +163,24 @@ def test_the_token_budget_is_exact(method):
         result = dec.generate(PROMPT, n)
         assert result.finish_reason == "length" and result.num_new_tokens == n
         assert tuple(result.output_ids) == ar_output("tiny-random", 1.0, 1024, n)
+
+
+@pytest.mark.parametrize("method", ["tokenswift", "howl"])
+def test_a_prompt_indexed_in_bulk_keeps_the_output_identical(method, monkeypatch):
+    """A 1.5K-token prompt: the n-gram pool and the suffix index count it with numpy in one go
+    (their packed layers), then grow a step at a time; greedy output is still plain decoding's,
+    and the prompt's repeats are drafted and accepted."""
+    from sgl_longgen.core.ngram import NgramPool
+    from sgl_longgen.core.suffix import SuffixIndex
+
+    bulk: list[str] = []
+    for cls, name in ((NgramPool, "_extend_packed"), (SuffixIndex, "_merge")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _real=real, _name=name: (bulk.append(_name), _real(self, *a))[1])
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(2, 256, 700)] * 2 + PROMPT
+    out = build_decoder(model("tiny"), config(method)).generate(prompt, 96)
+    plain = build_decoder(model("tiny"), config("ar")).generate(prompt, 96)
+    assert out.output_ids == plain.output_ids
+    assert set(bulk) == ({"_extend_packed", "_merge"} if method == "tokenswift" else {"_merge"})
+    assert out.accept_length > 1.3
