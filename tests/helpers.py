@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import types
 
 import torch
@@ -104,3 +105,13 @@ def gc_tracked_reachable(root) -> int:
                 seen.add(id(ref))
                 stack.append(ref)
     return tracked
+
+
+def loop_sequence(rng: random.Random, length: int, vocab: int) -> list[int]:
+    """Random text that falls into loops of short periods (a greedy model's repetition)."""
+    out: list[int] = []
+    while len(out) < length:
+        period = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        out.extend(period * rng.randint(2, 200))
+        out.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 20)))
+    return out[:length]

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import loop_sequence
 
 from sgl_longgen.config import SuffixConfig
 from sgl_longgen.core.suffix import (
@@ -129,16 +130,6 @@ def test_incremental_extension_equals_bulk_indexing():
         ctx = seq[:cut]
         a, b = bulk.speculate(ctx, 32, 2.0), step.speculate(ctx, 32, 2.0)
         assert (a.tokens, a.score) == (b.tokens, b.score)
-
-
-def loop_sequence(rng: random.Random, length: int, vocab: int) -> list[int]:
-    """Random text that falls into loops of short periods (a greedy model's repetition)."""
-    out: list[int] = []
-    while len(out) < length:
-        period = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
-        out.extend(period * rng.randint(2, 200))
-        out.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 20)))
-    return out[:length]
 
 
 def token_by_token(pieces: list[list[int] | None], max_occurrences: int = 0) -> SuffixIndex:

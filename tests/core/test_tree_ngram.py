@@ -3,7 +3,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import path_nodes
+from helpers import loop_sequence, path_nodes
 
 from sgl_longgen.core import ngram
 from sgl_longgen.core.ngram import _BULK, _BULK_SHARE, NgramPool
@@ -181,16 +181,6 @@ def test_ngram_pool_packs_its_ngrams_into_ints_the_collector_never_tracks():
     assert pool.lookup(big) == [c for c, _ in sorted(want[big].items(), key=lambda kv: kv[1], reverse=True)][:20]
     with pytest.raises(ValueError, match="n-gram tokens"):
         NgramPool(n=3).extend([1, -2, 3, 4])
-
-
-def loop_sequence(rng: random.Random, length: int, vocab: int) -> list[int]:
-    """Random text that falls into loops of short periods (a greedy model's repetition)."""
-    out: list[int] = []
-    while len(out) < length:
-        period = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
-        out.extend(period * rng.randint(2, 200))
-        out.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 20)))
-    return out[:length]
 
 
 def per_ngram(seq: list[int], ends: list[int], n: int, top_k: int) -> NgramPool:
