@@ -312,25 +312,27 @@ def run_acceptance(args: argparse.Namespace, methods: list[str], prompts: list[d
 
         def body(engine, method=method):
             own = ALGORITHMS[method] not in (None, "NGRAM")  # our workers apply the penalty themselves
+
+            def logits(penalty: float) -> str | None:
+                return None if own or penalty <= 1.0 else processor
+
             for decoding in decodings:  # untimed: first-use compilation (JIT kernels, graphs) is no step's cost
                 for penalty in penalties:
                     params = sampling_params(decoding, penalty, settings["penalty_window"], 16,
                                              settings["ignore_eos"], args.temperature, args.min_p)
-                    request(engine, [prompts[0]["input_ids"]], params, None if own or penalty <= 1.0 else processor)
+                    request(engine, [prompts[0]["input_ids"]], params, logits(penalty))
             for decoding in decodings:
                 for penalty in penalties:
                     params = sampling_params(decoding, penalty, settings["penalty_window"], args.max_new_tokens,
                                              settings["ignore_eos"], args.temperature, args.min_p)
                     if method == BASELINE and decoding == "greedy":  # untimed: how close to a tie each token was
-                        outs, _ = request(engine, [item["input_ids"] for item in prompts], params,
-                                          None if penalty <= 1.0 else processor, return_logprob=True,
-                                          top_logprobs_num=2)
+                        outs, _ = request(engine, [item["input_ids"] for item in prompts], params, logits(penalty),
+                                          return_logprob=True, top_logprobs_num=2)
                         gaps[penalty] = {item["id"]: [top2_gap(o["meta_info"], i) for i in range(len(o["output_ids"]))]
                                          for item, o in zip(prompts, outs)}
                     got = []
                     for item in prompts:  # one at a time: tokens/s per request, as the runtime measures it
-                        outs, wall = request(engine, [item["input_ids"]], params,
-                                             None if own or penalty <= 1.0 else processor)
+                        outs, wall = request(engine, [item["input_ids"]], params, logits(penalty))
                         got.append((item, outs[0], wall))
                         meta = outs[0]["meta_info"]
                         steps = steps_of(meta)
