@@ -25,6 +25,7 @@ call, not the ones SGLang's own NGRAM needs, so NGRAM is reported as not run the
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import statistics
@@ -46,9 +47,13 @@ ALGORITHMS: dict[str, str | None] = {
 BASELINE = "ar"
 NGRAM_DRAFT_TOKENS = 16  # gpu_check's NGRAM width
 MEASURED = "measured"
-PROJECTED = "projected: measured ms/step (dummy weights) / proxy tau"
+PROJECTED = "projected: measured ms/step (dummy weights, the decoding timed over more steps) / proxy tau"
 GREEDY_BOUND = "measured, dummy weights, greedy: repetitive (upper bound)"
 SAMPLED_BOUND = "measured, dummy weights, sampled T=1: nothing accepted (lower bound)"
+# New tokens the step-cost engines may add to the longest context (its context_length's headroom),
+# and the most a timed request takes of it: the rest is room for a verify tree's draft slots.
+CONTEXT_HEADROOM = 4096
+LONG_REQUEST_CAP = CONTEXT_HEADROOM - 512
 
 
 # -- the engine and its kwargs ---------------------------------------------------------------------
@@ -358,7 +363,7 @@ def dummy_engine_kwargs(model: Path, context: int, batches: list[int]) -> dict[s
     adaptive_check start theirs; CUDA graphs only for the measured batch sizes (a start captures
     one graph per size, and each engine here starts once per method and shape)."""
     return {"model_path": str(model), "load_format": "dummy", "skip_tokenizer_init": True, "mem_fraction_static": 0.8,
-            "context_length": max(context + 4096, 8192), "log_level": "warning", "random_seed": 0,
+            "context_length": max(context + CONTEXT_HEADROOM, 8192), "log_level": "warning", "random_seed": 0,
             "chunked_prefill_size": 16384, "max_running_requests": max(4, max(batches)),
             "cuda_graph_bs_decode": sorted(set(batches)), "cuda_graph_backend_prefill": "disabled"}
 
@@ -388,7 +393,8 @@ def timed(engine, prompt: list[int], batch: int, params: dict, new_tokens: int) 
     return wall, max(int(o["meta_info"]["completion_tokens"]) for o in outs) - 1, outs
 
 
-def step_figures(short: tuple[float, int, int], long: tuple[float, int, int]) -> dict[str, float | None]:
+def step_figures(short: tuple[float, int, int], long: tuple[float, int, int],
+                 min_steps: int = 1) -> dict[str, float | int | None]:
     """ms per token and per step from two requests of one prompt and batch, ``(wall s, new tokens,
     steps)`` each: the difference of their walls over the difference of their tokens and steps.
 
@@ -396,20 +402,35 @@ def step_figures(short: tuple[float, int, int], long: tuple[float, int, int]) ->
     set-up, the first token) cancels out, so a step costs what it costs in a long generation;
     ``request_ms`` is that fixed part, the short request's wall less its steps. Dividing one
     request's wall by its steps, or subtracting a 1-token request's wall, lets a single noisy
-    sample or a set-up of hundreds of milliseconds pass for step time."""
+    sample or a set-up of hundreds of milliseconds pass for step time. Fewer than ``min_steps``
+    steps between the two requests give no figure: a few milliseconds of jitter over two or three
+    steps once came out as a negative step cost."""
     (w0, n0, s0), (w1, n1, s1) = short, long
     dw = (w1 - w0) * 1e3
-    ms_token = dw / (n1 - n0) if n1 > n0 else None
-    ms_step = dw / (s1 - s0) if s1 > s0 else None
+    timed_steps = s1 - s0
+    enough = timed_steps >= max(1, min_steps)
+    ms_token = dw / (n1 - n0) if enough and n1 > n0 else None
+    ms_step = dw / timed_steps if enough else None
     return {"ms_per_token": None if ms_token is None else round(ms_token, 3),
             "ms_per_step": None if ms_step is None else round(ms_step, 3),
-            "request_ms": None if ms_step is None else round(w0 * 1e3 - s0 * ms_step, 1)}
+            "request_ms": None if ms_step is None else round(w0 * 1e3 - s0 * ms_step, 1),
+            "timed_steps": timed_steps}
+
+
+def long_request_tokens(n: int, short: int, short_steps: int, cap: int) -> int:
+    """New tokens of the longer timed request: ``1 + n`` times the tokens a step committed in the
+    shorter one, so that about ``n`` steps lie between the two whatever the acceptance (a repetitive
+    greedy workload commits 13-16 tokens a step: ``1 + n`` tokens would be four steps). At most
+    ``cap`` tokens (the context's headroom)."""
+    per_step = max(1, math.ceil((short - 1) / max(short_steps, 1)))
+    return max(short + 1, min(1 + n * per_step, cap))
 
 
 def measure_engine(engine, method: str, contexts: list[int], batches: list[int], n: int, vocab: int,
-                   log: Callable[[str], None]) -> list[dict]:
+                   log: Callable[[str], None], headroom: int = LONG_REQUEST_CAP) -> list[dict]:
     """Every (context, batch) of one engine: greedy and sampled (T=1) requests of ``1 + n // 4``
-    and ``1 + n`` new tokens (:func:`step_figures`).
+    new tokens and of :func:`long_request_tokens` (``1 + n`` when a step commits one token), and
+    :func:`step_figures` from the pair, over at least ``n // 4`` steps.
 
     The batch is ``batch`` copies of one prompt: each request still reads its whole context every
     step (its own slot table), and the prompt's one prefill, kept by the radix cache, serves every
@@ -417,7 +438,7 @@ def measure_engine(engine, method: str, contexts: list[int], batches: list[int],
     rng = random.Random(0)
     greedy = {"temperature": 0.0, "ignore_eos": True}
     sampled = {"temperature": 1.0, "ignore_eos": True}
-    short, long = 1 + n // 4, 1 + n
+    short = 1 + n // 4
     rows = []
     warm = [rng.randrange(1000, vocab - 1000) for _ in range(512)]
     # First-use costs (kernel compilation, drafter graphs per batch size, sampling kernels) off the
@@ -430,12 +451,13 @@ def measure_engine(engine, method: str, contexts: list[int], batches: list[int],
         prompt = [rng.randrange(1000, vocab - 1000) for _ in range(context)]
         request(engine, [prompt], {**greedy, "max_new_tokens": 1}, None)  # the prefill, into the radix cache
         for batch in batches:
-            row: dict[str, Any] = {"method": method, "context": context, "batch": batch,
-                                   "new_tokens": [short, long]}
+            row: dict[str, Any] = {"method": method, "context": context, "batch": batch}
             for name, params in (("greedy", greedy), ("sampled", sampled)):
                 w0, s0, _ = timed(engine, prompt, batch, params, short)
+                long = long_request_tokens(n, short, s0, headroom)
                 w1, s1, outs = timed(engine, prompt, batch, params, long)
-                for key, value in step_figures((w0, short, s0), (w1, long, s1)).items():
+                row[f"{name}_new_tokens"] = [short, long]
+                for key, value in step_figures((w0, short, s0), (w1, long, s1), min_steps=max(1, n // 4)).items():
                     row[f"{name}_{key}"] = value
                 if method != BASELINE:
                     row[f"{name}_steps"] = s1
@@ -488,27 +510,46 @@ def run_step_costs(args: argparse.Namespace, methods: list[str], shapes: dict[st
     return rows
 
 
+def step_cost(row: dict) -> tuple[float, str] | None:
+    """The step cost a projection divides by, and the decoding it was timed with: the one timed over
+    more steps. A step's cost is that of its draft and verify forwards, whose shapes do not depend
+    on what the step accepts, so either decoding prices it; the figure over 64 steps (sampled, where
+    dummy weights accept nothing) is the steadier one when the repetitive greedy run needed only a
+    few steps for its tokens. Plain decoding: its greedy ms/token. Rows without ``*_timed_steps``
+    (an older bench) rank by ``*_steps``, the longer request's steps."""
+    if row["method"] == BASELINE:
+        ms = row.get("greedy_ms_per_token")
+        return (ms, "greedy") if ms else None
+    best = None
+    for decoding in ("greedy", "sampled"):
+        ms = row.get(f"{decoding}_ms_per_step")
+        steps = row.get(f"{decoding}_timed_steps", row.get(f"{decoding}_steps")) or 0
+        if ms is not None and ms > 0 and (best is None or steps > best[0]):
+            best = (steps, ms, decoding)
+    return None if best is None else (best[1], best[2])
+
+
 def project(costs: list[dict], acceptance: list[dict]) -> list[dict]:
     """Projected ms/token per (shape, method, context, batch, proxy setting): the measured step
-    cost (greedy request's ms/step; plain decoding: its measured ms/token) over the proxy's tau."""
+    cost (:func:`step_cost`) over the proxy's tau."""
     tau_of = {(r["method"], r["setting"]): r["tau"] for r in acceptance if r.get("tau")}
     settings = list(dict.fromkeys(r["setting"] for r in acceptance))
     plain = {(r["shape"], r["context"], r["batch"]): r.get("greedy_ms_per_token")
              for r in costs if r.get("method") == BASELINE and "context" in r}
     out = []
     for r in costs:
-        if "context" not in r:
+        if "context" not in r or (cost := step_cost(r)) is None:
             continue
-        step = r.get("greedy_ms_per_token") if r["method"] == BASELINE else r.get("greedy_ms_per_step")
+        step, decoding = cost
         plain_ms = plain.get((r["shape"], r["context"], r["batch"]))
         for setting in settings:
             tau = 1.0 if r["method"] == BASELINE else tau_of.get((r["method"], setting))
-            if tau is None or step is None:
+            if tau is None:
                 continue
             ms = step / tau
             out.append({"figure": PROJECTED, "shape": r["shape"], "method": r["method"], "context": r["context"],
                         "batch": r["batch"], "setting": setting, "proxy_tau": tau, "step_ms": step,
-                        "projected_ms_per_token": round(ms, 4),
+                        "step_timed": decoding, "projected_ms_per_token": round(ms, 4),
                         "projected_speedup": round(plain_ms / ms, 3) if plain_ms and ms else None})
     return out
 

@@ -114,8 +114,9 @@ def add_parser(sub) -> None:
     s.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES), metavar="N",
                    help="concurrent requests of the step costs (default: 1 4)")
     s.add_argument("--step-tokens", type=int, default=64, metavar="N",
-                   help="new tokens of the longer timed request of the step costs (default 64; the shorter one "
-                        "has 1 + N/4, and the difference of their walls is what the steps cost)")
+                   help="steps between the two timed requests of the step costs (default 64): the shorter one has "
+                        "1 + N/4 new tokens, the longer one 1 + N times what a step of the shorter one committed, "
+                        "and the difference of their walls is what the steps cost (none under N/4 steps)")
     p.add_argument("--resume", action="store_true",
                    help="--engine sglang: continue a run that was stopped (a time limit, a lost host) from the "
                         "bench.json it left in --out, written by the same command: its acceptance rows, if "
@@ -600,6 +601,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
                                   ("--step-tokens", [args.step_tokens], 4)):
             if any(v < low for v in values):
                 raise LonggenError(f"{flag}: at least {low}, got {min(values)}")
+        if args.step_tokens >= engine_bench.LONG_REQUEST_CAP:
+            raise LonggenError(f"--step-tokens: below {engine_bench.LONG_REQUEST_CAP} (the engines' headroom for new "
+                               f"tokens beyond the longest context), got {args.step_tokens}")
     return methods
 
 
@@ -708,12 +712,14 @@ def run_engine(args: argparse.Namespace, methods: list[str], gpu: dict | None) -
     if args.step_costs:
         shapes = engine_bench.parse_shapes(args.shapes or ["llama8b", "qwen7b"])
         costs: dict[str, Any] = {
-            "note": (f"ms/step: the wall of {args.step_tokens + 1}-token requests less that of "
-                     f"{1 + args.step_tokens // 4}-token ones (the prompt already in the radix cache), over the "
-                     "difference of their steps (the batch's spec_verify_ct; plain decoding: per token); request ms: "
-                     "the shorter request's wall less its steps (prefill of the cached prompt, per-request set-up). "
-                     f"Batch b: b copies of one random prompt. {engine_bench.GREEDY_BOUND}; "
-                     f"{engine_bench.SAMPLED_BOUND}."),
+            "note": (f"ms/step: the wall of a longer request less that of a {1 + args.step_tokens // 4}-token one "
+                     "(the prompt already in the radix cache), over the difference of their steps (the batch's "
+                     f"spec_verify_ct; plain decoding: per token); the longer one has 1 + {args.step_tokens} "
+                     "times the tokens a step of the shorter one committed, so about "
+                     f"{args.step_tokens} steps lie between them; under {max(1, args.step_tokens // 4)} no "
+                     "figure. request ms: the shorter request's wall less its steps (prefill of the cached "
+                     "prompt, per-request set-up). Batch b: b copies of one random prompt. "
+                     f"{engine_bench.GREEDY_BOUND}; {engine_bench.SAMPLED_BOUND}."),
             "projection_note": engine_bench.PROJECTED + " (plain decoding: its measured ms/token, tau 1); "
                                "speedup = plain decoding's measured ms/token at that shape, context and batch / "
                                "the projected ms/token.",

@@ -166,10 +166,11 @@ def test_projection_divides_measured_step_cost_by_proxy_tau(tmp_path):
                      and c["method"] == "ar")
         if p["method"] == "ar":  # its measured ms/token, tau 1 in every setting
             assert p["proxy_tau"] == 1.0 and p["projected_ms_per_token"] == pytest.approx(src["greedy_ms_per_token"])
-        else:
+        else:  # the sampled requests were timed over three times the steps: their step cost prices both
             tau = {GREEDY: 6.0, SAMPLED: 2.0}[p["setting"]]
-            assert p["proxy_tau"] == tau and p["step_ms"] == src["greedy_ms_per_step"]
-            assert p["projected_ms_per_token"] == pytest.approx(src["greedy_ms_per_step"] / tau, abs=1e-4)
+            assert p["proxy_tau"] == tau and p["step_ms"] == src["sampled_ms_per_step"]
+            assert p["step_timed"] == "sampled"
+            assert p["projected_ms_per_token"] == pytest.approx(src["sampled_ms_per_step"] / tau, abs=1e-4)
         assert p["projected_speedup"] == pytest.approx(plain["greedy_ms_per_token"] / p["projected_ms_per_token"],
                                                        rel=1e-3)
 
@@ -186,9 +187,28 @@ def test_projection_divides_measured_step_cost_by_proxy_tau(tmp_path):
     assert engine_bench.GREEDY_BOUND in md and engine_bench.SAMPLED_BOUND in md
     assert "| llama8b | tokenswift | 98304 | 4 | 12.00 | 4.00 | 3.000 |" in md
     assert "| llama8b | owl | failed: RuntimeError: out of memory |" in md
-    assert "ms/token (projected)" in md and f"| llama8b | tokenswift | 4096 | 1 | {GREEDY} | 6.00 | 12.00 | 2.000 |" in md
+    assert "ms/token (projected)" in md and f"| llama8b | tokenswift | 4096 | 1 | {GREEDY} | 6.00 | 12.60 | 2.100 |" in md
     bench.plot(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_projection_prices_a_step_with_the_decoding_timed_over_more_steps():
+    """A repetitive greedy run commits its tokens in a few steps, and a few milliseconds of jitter
+    over two or three steps once came out negative: the projection takes the figure timed over
+    more steps, and never a missing or non-positive one."""
+    acceptance = [{"method": "tokenswift", "setting": GREEDY, "tau": 4.0}]
+    base = {"shape": "llama8b", "method": "tokenswift", "context": 4096, "batch": 1}
+    greedy_longer = {**base, "greedy_ms_per_step": 10.0, "greedy_timed_steps": 60,
+                     "sampled_ms_per_step": 12.0, "sampled_timed_steps": 48}
+    noisy_greedy = {**base, "batch": 4, "greedy_ms_per_step": -206.8, "greedy_timed_steps": 3,
+                    "sampled_ms_per_step": 20.0, "sampled_timed_steps": 64}
+    older_bench = {**base, "context": 98304, "greedy_ms_per_step": 90.0, "greedy_steps": 5,
+                   "sampled_ms_per_step": 18.0, "sampled_steps": 64}  # no *_timed_steps: ranked by steps
+    nothing = {**base, "context": 32768, "greedy_ms_per_step": None, "sampled_ms_per_step": None}
+    got = {(p["context"], p["batch"]): (p["step_ms"], p["step_timed"], p["projected_ms_per_token"])
+           for p in engine_bench.project([greedy_longer, noisy_greedy, older_bench, nothing], acceptance)}
+    assert got == {(4096, 1): (10.0, "greedy", 2.5), (4096, 4): (20.0, "sampled", 5.0),
+                   (98304, 1): (18.0, "sampled", 4.5)}
 
 
 def test_bench_imports_without_sglang():
@@ -222,9 +242,53 @@ def test_step_figures_cancel_what_each_request_pays_once():
     # Speculation: 4 tokens a step; the difference of steps, not of tokens, prices a step.
     spec = engine_bench.step_figures((setup + 4 * step, 17, 4), (setup + 16 * step, 65, 16))
     assert spec["ms_per_step"] == pytest.approx(20.0) and spec["ms_per_token"] == pytest.approx(5.0)
-    # No more steps in the longer request (everything accepted in one): no step figure, not a made-up one.
+    # No more steps in the longer request (everything accepted in one): no figure, not a made-up one.
     flat = engine_bench.step_figures((0.5, 17, 1), (0.51, 65, 1))
-    assert flat["ms_per_step"] is None and flat["request_ms"] is None and flat["ms_per_token"] is not None
+    assert flat["ms_per_step"] is None and flat["request_ms"] is None and flat["ms_per_token"] is None
+    assert flat["timed_steps"] == 0
+    # Three steps apart, jitter made the longer request the faster one: below min_steps, no figure.
+    jitter = engine_bench.step_figures((0.200, 17, 2), (0.195, 65, 5), min_steps=16)
+    assert jitter == {"ms_per_token": None, "ms_per_step": None, "request_ms": None, "timed_steps": 3}
+    assert engine_bench.step_figures((0.200, 17, 2), (0.195, 65, 5))["ms_per_step"] < 0  # what it once said
+    assert engine_bench.step_figures(short, long, min_steps=48)["ms_per_step"] == pytest.approx(20.0)
+
+
+def test_the_longer_timed_request_spans_about_n_steps_whatever_the_acceptance():
+    """1 + n tokens when a step commits one; n times a step's tokens when the workload repeats."""
+    assert engine_bench.long_request_tokens(64, 17, 16, cap=3584) == 65  # plain decoding, nothing accepted
+    assert engine_bench.long_request_tokens(64, 17, 2, cap=3584) == 1 + 64 * 8  # 16 tokens in 2 steps
+    assert engine_bench.long_request_tokens(64, 17, 1, cap=3584) == 1025  # all 16 in one step
+    assert engine_bench.long_request_tokens(64, 17, 0, cap=3584) == 1025  # no step counted: as one
+    assert engine_bench.long_request_tokens(64, 17, 1, cap=600) == 600  # the context's headroom
+    assert engine_bench.long_request_tokens(4, 2, 1, cap=2) == 3  # always longer than the short one
+
+
+def test_step_cost_requests_in_an_engine():
+    """The step-cost requests on SGLang's CPU engine with the proxy and its TOKENSWIFT heads: the
+    greedy requests commit several tokens a step, so the longer one is lengthened to keep about
+    ``n`` steps between the two; every figure is over at least ``n // 4`` steps, or absent."""
+    from sgl_longgen.runtime import default_heads_dir
+    from sgl_longgen.runtime.embedded import resolve_model
+
+    on_cpu = engine_bench.prepare_engine()
+    model = resolve_model("tiny")
+    kw = engine_bench.with_method(engine_bench.proxy_engine_kwargs(model, on_cpu, 1024, None, 0), "tokenswift",
+                                  default_heads_dir(model))
+    n, lines = 8, []
+    rows = engine_bench.with_engine(kw, False, lambda engine: engine_bench.measure_engine(
+        engine, "tokenswift", [96], [1, 2], n, 8192, lines.append))
+    assert [(r["context"], r["batch"]) for r in rows] == [(96, 1), (96, 2)] and len(lines) == 2
+    for r in rows:
+        for d in ("greedy", "sampled"):
+            short, long = r[f"{d}_new_tokens"]
+            assert short == 1 + n // 4 and long > short and r[f"{d}_steps"] >= r[f"{d}_timed_steps"]
+            if r[f"{d}_ms_per_step"] is None:
+                assert r[f"{d}_timed_steps"] < n // 4 and r[f"{d}_ms_per_token"] is None
+            else:
+                assert r[f"{d}_timed_steps"] >= n // 4 and r[f"{d}_ms_per_step"] > 0
+    greedy_tau = max(r["greedy_tau"] for r in rows)
+    assert greedy_tau > 1.5  # the heads' drafts are accepted on the proxy's greedy text
+    assert max(r["greedy_new_tokens"][1] for r in rows) > 1 + n  # so the longer request was lengthened
 
 
 def test_a_greedy_difference_reports_where_and_how_close_plain_decoding_was_to_a_tie(tmp_path):
