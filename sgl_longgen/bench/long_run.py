@@ -144,7 +144,9 @@ def report(args: argparse.Namespace) -> dict:
         a, b = ts["output_ids"][:n], plain["output_ids"]
         result["greedy_identity"] = {"tokens": n, "identical": a == b, "first_difference": first_difference(a, b)}
     result["ms_per_token_by_position"] = rates(ts.get("timeline", []), args.bin_tokens)
-    if plain:
+    if plain and args.plain_identity_only:  # its times are another machine's: not drawn next to this one's
+        result["plain"].update(decode_seconds=None, tokens_per_second=None, timed_elsewhere=True)
+    elif plain:
         result["plain_ms_per_token_by_position"] = rates(plain.get("timeline", []), args.bin_tokens)
     result["plain_ms_per_token_at_context"] = plain_costs(args.plain_costs or [], args.shape)
     (out / "long_run.json").write_text(json.dumps(result, indent=1))
@@ -161,9 +163,10 @@ def markdown(r: dict) -> str:
     for name in JOBS:
         s = r.get(name)
         if s:
-            lines.append(f"| {name} | {s['num_new_tokens']} | {s['finish_reason']} | {s['decode_seconds']} | "
-                         f"{s['tokens_per_second']} | {s['accept_length']} | {s['resumed_tokens']} | "
-                         f"{s['stretches']} (starts {s['stretch_starts']}) |")
+            elsewhere = "another host's" if s.get("timed_elsewhere") else None
+            lines.append(f"| {name} | {s['num_new_tokens']} | {s['finish_reason']} | "
+                         f"{elsewhere or s['decode_seconds']} | {elsewhere or s['tokens_per_second']} | "
+                         f"{s['accept_length']} | {s['resumed_tokens']} | {s['stretches']} (starts {s['stretch_starts']}) |")
     g = r.get("greedy_identity")
     if g:
         lines += ["", f"Greedy identity with plain decoding over the first {g['tokens']} tokens: "
@@ -228,6 +231,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", default="llama8b")
     b.add_argument("--plain-costs", nargs="*", help="bench.json files or CONTEXT=MS pairs")
     b.add_argument("--bin-tokens", type=int, default=2048)
+    b.add_argument("--plain-identity-only", action="store_true",
+                   help="the plain job's record was made on another host (copied in for the identity check): "
+                        "leave its times out of the table and the plot")
     return p
 
 

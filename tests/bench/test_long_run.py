@@ -83,6 +83,16 @@ def test_report_identity_rates_costs_and_plot(tmp_path):
     assert pos == {48: pytest.approx(10.0), 112: pytest.approx(20.0)}
     assert (tmp_path / "long_run.png").read_bytes()[:8] == PNG_SIGNATURE
     assert "differs at 33" in (tmp_path / "long_run.md").read_text()
+    assert result["plain_ms_per_token_by_position"] and result["plain"]["decode_seconds"] is not None
+
+    # A plain record made on another host serves the identity check; its times stay out.
+    args = long_run.parser().parse_args(["report", "--dir", str(tmp_path), "--plain-identity-only",
+                                         "--bin-tokens", "32"])
+    elsewhere = long_run.report(args)
+    assert elsewhere["greedy_identity"] == result["greedy_identity"]
+    assert "plain_ms_per_token_by_position" not in elsewhere
+    assert elsewhere["plain"]["decode_seconds"] is None and elsewhere["plain"]["tokens_per_second"] is None
+    assert "| plain | 40 | length | another host's | another host's |" in (tmp_path / "long_run.md").read_text()
 
 
 def test_report_before_the_job_finished_is_a_clear_error(tmp_path, capsys):
