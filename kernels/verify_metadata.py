@@ -136,6 +136,7 @@ def page_table_from_indices(
     kv_indices: torch.Tensor,
     out: torch.Tensor,
     seq_lens_out: Optional[torch.Tensor] = None,
+    skip: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The prefixes as a dense page table (page size 1) and their lengths, for FA3's paged kernel.
 
@@ -144,15 +145,21 @@ def page_table_from_indices(
     never reads, since it stops at the row's length. ``W`` must cover the longest prefix (a wide
     persistent buffer may be passed as a column slice). Sync free, so a CUDA-graph replay's plan
     can fill persistent buffers with it.
+
+    ``skip`` (one-element int32 device tensor): each prefix without its first ``skip`` slots (a
+    cascade's own part; a prefix no longer than ``skip`` becomes empty).
     """
     bs, width = out.shape
-    lens = kv_indptr[1 : bs + 1] - kv_indptr[:bs]
+    starts, ends = kv_indptr[:bs], kv_indptr[1 : bs + 1]
+    if skip is not None:
+        starts = torch.minimum(starts + skip, ends)
+    lens = ends - starts
     if seq_lens_out is None:
         seq_lens_out = torch.empty(bs, dtype=torch.int32, device=out.device)
     seq_lens_out[:bs].copy_(lens)
     if kv_indices.numel() == 0:
         out.zero_()
         return out, seq_lens_out[:bs]
-    pos = kv_indptr[:bs, None].to(torch.int64) + torch.arange(width, device=out.device)[None, :]
+    pos = starts[:, None].to(torch.int64) + torch.arange(width, device=out.device)[None, :]
     out.copy_(kv_indices[pos.clamp_(max=kv_indices.numel() - 1)])
     return out, seq_lens_out[:bs]
