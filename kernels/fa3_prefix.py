@@ -66,7 +66,7 @@ class Fa3Prefix:
         self._seq_lens_buf = seq_lens_buf
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, tree_size: int,
-             max_prefix_len: Optional[int] = None, skip: Optional[torch.Tensor] = None) -> None:
+             max_prefix_len: Optional[int] = None, skip: torch.Tensor | None = None) -> None:
         """``skip``: attend each prefix without its first ``skip`` slots (see
         :func:`page_table_from_indices`); ``tree_size`` is the query rows per page-table row."""
         bs = kv_indptr.numel() - 1

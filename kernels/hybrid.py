@@ -116,9 +116,9 @@ class HybridTreeAttention:
         # Cascade state: [shared kv_indptr (2 entries), shared length], refilled by every plan (a
         # persistent buffer, so graphs captured with a cascade replay with new shared lengths).
         self.cascade = False
-        self.shared_config: Optional[PrefixKernelConfig] = None
-        self._cascade_meta: Optional[torch.Tensor] = None
-        self._fa3_shared: Optional[Fa3Prefix] = None
+        self.shared_config: PrefixKernelConfig | None = None
+        self._cascade_meta: torch.Tensor | None = None
+        self._fa3_shared: Fa3Prefix | None = None
 
     # ------------------------------------------------------------------ plan
     def plan(
@@ -135,7 +135,7 @@ class HybridTreeAttention:
         max_prefix_len: Optional[int] = None,
         score_rows: int = 0,
         own_kv_in_prefix: bool = False,
-        shared_prefix_len: Union[int, torch.Tensor, None] = None,
+        shared_prefix_len: int | torch.Tensor | None = None,
     ) -> str:
         """Fix the metadata of one verification step (shared by all layers).
 
@@ -218,7 +218,7 @@ class HybridTreeAttention:
         self._planned = True
         return self.path
 
-    def _plan_cascade(self, kv_indptr, shared_prefix_len, prefix_lens_host) -> Optional[int]:
+    def _plan_cascade(self, kv_indptr, shared_prefix_len, prefix_lens_host) -> int | None:
         """Fill the cascade buffer for ``shared_prefix_len``; returns ``S`` when known on the host."""
         self.cascade = False
         if shared_prefix_len is None:
@@ -500,7 +500,7 @@ def hybrid_tree_attention(
     prefix_lens_host: Optional[Sequence[int]] = None,
     prefix_config: Optional[PrefixKernelConfig] = None,
     return_lse: bool = False,
-    shared_prefix_len: Union[int, torch.Tensor, None] = None,
+    shared_prefix_len: int | torch.Tensor | None = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """One-shot ``plan`` + ``run`` of :class:`HybridTreeAttention` (see the module docstring).
 
