@@ -9,7 +9,7 @@ import torch
 from kernel_cases import DEVICE, TOL, make_batch, make_shared_batch, max_err, nan_like, with_own_slots
 from sgl_longgen.kernels import fa3_prefix, hybrid
 from sgl_longgen.kernels.hybrid import HybridTreeAttention, hybrid_tree_attention
-from sgl_longgen.kernels.reference import lse_natural_to_base2, prefix_logit_scores_reference
+from sgl_longgen.kernels.reference import lse_natural_to_base2, prefix_logit_scores_reference, tree_attention_reference
 
 CASES = [  # (shared length, own lengths, tree size, query heads, kv heads, head dim)
     (0, [3, 40], 5, 8, 2, 64),  # nothing shared: the shared part is empty (LSE -inf)
@@ -191,3 +191,18 @@ def test_fa3_path_cascade_glue(monkeypatch, graph):
     out = nan_like(one.q, torch.float32)
     attn.run(one.q, one.k_buffer, one.v_buffer, one.k_tree, one.v_tree, out=out)
     assert max_err(out, one.reference()[0]) <= TOL[dtype] / 2
+
+
+def test_the_benchmark_batch_shares_its_prompt():
+    """The GPU benchmark's cascade table builds requests over one prompt's slots: its plain and
+    cascade attentions agree with the reference (CPU, Triton path)."""
+    from sgl_longgen.bench.kernels import SharedBatch
+
+    batch = SharedBatch(3, 300, 7, 4, DEVICE, torch.Generator().manual_seed(0))
+    assert torch.equal(batch.kv_indices[307:607][:300], batch.kv_indices[:300])
+    _, plain = batch.attention("triton", DEVICE)
+    attn, cascade = batch.attention("triton", DEVICE, shared_prefix_len=300)
+    assert attn.cascade
+    ref, _ = tree_attention_reference(batch.q, batch.k_pool, batch.v_pool, batch.kv_indptr, batch.kv_indices,
+                                             batch.k_tree, batch.v_tree, batch.tree, batch.q.shape[-1] ** -0.5)
+    assert max_err(cascade(), ref) <= TOL[torch.bfloat16] and max_err(plain(), ref) <= TOL[torch.bfloat16]
