@@ -66,18 +66,20 @@ class Fa3Prefix:
         self._seq_lens_buf = seq_lens_buf
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, tree_size: int,
-             max_prefix_len: Optional[int] = None) -> None:
+             max_prefix_len: Optional[int] = None, skip: torch.Tensor | None = None) -> None:
+        """``skip``: attend each prefix without its first ``skip`` slots (see
+        :func:`page_table_from_indices`); ``tree_size`` is the query rows per page-table row."""
         bs = kv_indptr.numel() - 1
         width = max(1, max_prefix_len if max_prefix_len is not None else kv_indices.numel())
         if self._page_table_buf is not None:
             # The kernel sees the whole buffer (a fixed shape for graph replays) and reads each row
             # up to its length: only the columns that can hold a prefix slot need filling.
             table, lens = self._page_table_buf[:bs], self._seq_lens_buf
-            page_table_from_indices(kv_indptr, kv_indices, table[:, : min(width, table.shape[1])], lens)
+            page_table_from_indices(kv_indptr, kv_indices, table[:, : min(width, table.shape[1])], lens, skip=skip)
             self.page_table, self.seq_lens = table, lens[:bs]
         else:
             table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
-            self.page_table, self.seq_lens = page_table_from_indices(kv_indptr, kv_indices, table)
+            self.page_table, self.seq_lens = page_table_from_indices(kv_indptr, kv_indices, table, skip=skip)
         self.batch_size, self.tree_size = bs, tree_size
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,

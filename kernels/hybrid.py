@@ -16,6 +16,17 @@ metadata (prefix slots, tree mask) once for all layers, ``run`` is called per la
 shapes depend only on the batch size and tree size unless the host prefix lengths are given, so
 the same object serves CUDA-graph capture and replay (plan outside the graph, run inside).
 
+Cascade across requests: requests that share a long prefix (samples of one prompt, one
+document) hold the same pool slots over it, and reading those slots once per request repeats
+the same bytes ``bs`` times. With ``plan(shared_prefix_len=S)`` each request's prefix splits into
+the shared part ``[0, S)`` (request 0's first ``S`` slots, the same for every request) and its
+own part ``[S, len)``. The shared part is computed once for the whole batch: every request's
+``T*G`` rows of a KV head stacked as one request of ``bs*T`` tokens against the shared slots
+(FA3: batch 1, ``seqlen_q = bs*T``; Triton: one KV range), so the shared KV is read once per
+step. The own parts run as without cascade (an own part that is empty is the "no keys" state,
+LSE ``-inf``), then the tree part, and the three states merge exactly by LSE: the key sets are
+disjoint and their union is the row's keys, so the result is the same softmax.
+
 Conventions: ``q [bs*T, Hq, D]``; KV pool ``k_buffer``/``v_buffer [num_slots, Hkv, D]``; request
 ``b``'s prefix is ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; ``k_tree``/``v_tree [bs*T, Hkv, D]``
 are the draft tokens' own K/V; ``tree_mask [bs, T, T]`` is True where token ``i`` sees token ``j``
@@ -102,6 +113,12 @@ class HybridTreeAttention:
         self._planned = False
         self.path: Optional[str] = None  # "fa3", "triton" or "flashinfer_fold" after plan()
         self.prefix_config: Optional[PrefixKernelConfig] = None
+        # Cascade state: [shared kv_indptr (2 entries), shared length], refilled by every plan (a
+        # persistent buffer, so graphs captured with a cascade replay with new shared lengths).
+        self.cascade = False
+        self.shared_config: PrefixKernelConfig | None = None
+        self._cascade_meta: torch.Tensor | None = None
+        self._fa3_shared: Fa3Prefix | None = None
 
     # ------------------------------------------------------------------ plan
     def plan(
@@ -118,6 +135,7 @@ class HybridTreeAttention:
         max_prefix_len: Optional[int] = None,
         score_rows: int = 0,
         own_kv_in_prefix: bool = False,
+        shared_prefix_len: int | torch.Tensor | None = None,
     ) -> str:
         """Fix the metadata of one verification step (shared by all layers).
 
@@ -139,6 +157,13 @@ class HybridTreeAttention:
                 verify is then exactly a decode step: one prefix pass, no tree kernel and no
                 merge (about 4 small launches per layer fewer: a plain step of adaptive
                 speculation costs what SGLang's decode step costs).
+            shared_prefix_len: cascade (module docstring): the first ``S`` slots of every
+                request's prefix are the same pool slots (the caller's promise; request 0's
+                are read), ``S`` at most the shortest prefix. A host int (0: no cascade) or a
+                one-element int32 device tensor (no sync; 0 allowed: an empty shared part; under
+                CUDA graphs the way to vary ``S`` between replays of a graph captured with a
+                cascade). Runs on the FA3 or Triton path (a folded path is not taken: its rows
+                are bounded by the fold, not ``bs*T*G``).
 
         Returns the chosen prefix path, ``"fa3"``, ``"triton"`` or ``"flashinfer_fold"``.
         """
@@ -161,25 +186,73 @@ class HybridTreeAttention:
         self.kv_indices = kv_indices
         self.tree_mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
         self.own_kv_in_prefix = own_kv_in_prefix
+        shared_host = self._plan_cascade(kv_indptr, shared_prefix_len, prefix_lens_host)
         self.path = self._choose_path(batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host)
+        skip = self._cascade_meta[2:3] if self.cascade else None
         if self.path == "fa3":
             if max_prefix_len is None and prefix_lens_host:
                 max_prefix_len = max(prefix_lens_host)
-            self._fa3_prefix().plan(kv_indptr, kv_indices, tree_size, max_prefix_len=max_prefix_len)
+            own_width = max_prefix_len - (shared_host or 0) if max_prefix_len is not None else None
+            self._fa3_prefix().plan(kv_indptr, kv_indices, tree_size, max_prefix_len=own_width, skip=skip)
+            if self.cascade:
+                shared_width = shared_host if shared_host is not None else max_prefix_len
+                self._fa3_shared_prefix().plan(self._cascade_meta[0:2], kv_indices, batch_size * tree_size,
+                                               max_prefix_len=shared_width)
         elif self.path == "flashinfer_fold":
             self._fold().plan(kv_indptr, kv_indices, tree_size, sm_scale=self.sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype)
         else:
             max_len = max(prefix_lens_host) if prefix_lens_host and not self.use_cuda_graph else None
+            own_len = max_len - (shared_host or 0) if max_len is not None else None
             self.prefix_config = prefix_config or prefix_kernel_config(
-                batch_size, self.num_kv_heads, tree_size * self.group, self.head_dim, self.device, max_prefix_len=max_len,
-                min_block_m=score_rows * self.group,
+                batch_size, self.num_kv_heads, tree_size * self.group, self.head_dim, self.device,
+                max_prefix_len=own_len, min_block_m=score_rows * self.group,
             )
+            if self.cascade:
+                shared_len = None
+                if not self.use_cuda_graph:
+                    shared_len = shared_host if shared_host is not None else (min(prefix_lens_host) if prefix_lens_host else None)
+                self.shared_config = prefix_kernel_config(
+                    1, self.num_kv_heads, batch_size * tree_size * self.group, self.head_dim, self.device,
+                    max_prefix_len=shared_len,
+                )
         self._planned = True
         return self.path
+
+    def _plan_cascade(self, kv_indptr, shared_prefix_len, prefix_lens_host) -> int | None:
+        """Fill the cascade buffer for ``shared_prefix_len``; returns ``S`` when known on the host."""
+        self.cascade = False
+        if shared_prefix_len is None:
+            return None
+        if isinstance(shared_prefix_len, torch.Tensor):
+            if shared_prefix_len.dtype != torch.int32 or shared_prefix_len.numel() != 1:
+                raise ValueError("shared_prefix_len must be a host int or a one-element int32 tensor")
+            shared_host = None
+        else:
+            shared_host = int(shared_prefix_len)
+            if shared_host < 0:
+                raise ValueError(f"shared_prefix_len must be >= 0, got {shared_host}")
+            if prefix_lens_host is not None and prefix_lens_host and shared_host > min(prefix_lens_host):
+                raise ValueError(f"shared_prefix_len {shared_host} exceeds the shortest prefix ({min(prefix_lens_host)})")
+            if shared_host == 0:
+                return None
+        if self.prefix_backend == "flashinfer_fold":
+            raise ValueError("a cascade runs on the FA3 or Triton prefix path, not flashinfer_fold")
+        if self._cascade_meta is None:
+            self._cascade_meta = torch.zeros(3, dtype=torch.int32, device=self.device)
+        meta = self._cascade_meta
+        if shared_host is None:
+            meta[2:3].copy_(shared_prefix_len.view(1))
+        else:
+            meta[2:3].fill_(shared_host)
+        meta[0:1].copy_(kv_indptr[:1])
+        torch.add(kv_indptr[:1], meta[2:3], out=meta[1:2])
+        self.cascade = True
+        return shared_host
 
     def _choose_path(self, batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host) -> str:
         if self.prefix_backend == "triton":
             return "triton"
+
         can_fa3 = fa3_supported(self.head_dim, q_dtype, kv_dtype, self.device) and (
             not self.use_cuda_graph or self._fa3_bufs[0] is not None
         )
@@ -202,7 +275,7 @@ class HybridTreeAttention:
                     f"D={self.head_dim}, {q_dtype}/{kv_dtype} on {self.device}"
                 )
             return "flashinfer_fold"
-        if not can_fold or tree_size > self.fold_max_tree_size:
+        if self.cascade or not can_fold or tree_size > self.fold_max_tree_size:
             return "triton"
         if prefix_lens_host is not None and min(prefix_lens_host) < 1:
             return "triton"  # FlashInfer's decode is not meant for empty KV
@@ -219,6 +292,16 @@ class HybridTreeAttention:
             self._fa3 = Fa3Prefix(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.device,
                                   page_table_buf=table, seq_lens_buf=lens)
         return self._fa3
+
+    def _fa3_shared_prefix(self) -> Fa3Prefix:
+        if self._fa3_shared is None:
+            table = lens = None
+            if self.use_cuda_graph:
+                table = torch.zeros(1, self._fa3_bufs[0].shape[1], dtype=torch.int32, device=self.device)
+                lens = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self._fa3_shared = Fa3Prefix(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.device,
+                                         page_table_buf=table, seq_lens_buf=lens)
+        return self._fa3_shared
 
     def _fold(self) -> FoldedPrefixDecode:
         if self._folded is None:
@@ -270,7 +353,8 @@ class HybridTreeAttention:
             out = torch.empty_like(q)
         if sm_scale is None:
             sm_scale = self.sm_scale
-        if scores is not None and self.path != "triton":
+        if scores is not None and (self.path != "triton" or self.cascade):
+            # A cascade's prefix passes see a part of each prefix: a key-only pass scores the whole.
             prefix_logit_scores(q, k_buffer, self.kv_indptr, self.kv_indices, scores, sm_scale, score_rows=score_rows)
         if self.path == "flashinfer_fold" and abs(sm_scale - self.sm_scale) > 1e-12 * max(1.0, abs(sm_scale)):
             raise ValueError("the folded path was planned with a different sm_scale")
@@ -282,12 +366,20 @@ class HybridTreeAttention:
             return self._run_folded(q, k_buffer, v_buffer, k_tree, v_tree, out, lse)
         if self.path == "fa3":
             return self._run_fa3(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
+        if self.cascade:
+            return self._run_triton_cascade(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
         return self._run_triton(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale, scores, score_rows)
 
     def _run_prefix_only(self, q, k_buffer, v_buffer, out, lse, sm_scale):
         """A width-1 verify whose prefix holds the row's own key: the prefix pass is the whole
         attention (T = 1, so FA3's and the folded decode's outputs are in ``q``'s row order)."""
         bs, hq, d = self.batch_size, self.num_qo_heads, self.head_dim
+        if self.cascade and self.path == "fa3":
+            o_own, lse_own = self._fa3.run(q, k_buffer, v_buffer, sm_scale)
+            self._merge_shared(q, k_buffer, v_buffer, o_own, lse_own, out, lse, sm_scale)
+            return out
+        if self.cascade:
+            return self._run_triton_cascade(q, k_buffer, v_buffer, None, None, out, lse, sm_scale)
         if self.path == "fa3":
             o, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale, return_lse=lse is not None)
         elif self.path == "flashinfer_fold":
@@ -324,12 +416,54 @@ class HybridTreeAttention:
         merge_split_states(part_o, part_lse, out=out, out_lse=lse)
         return out
 
+    def _run_triton_cascade(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
+        """Own parts, the tree part (unless the prefixes hold the rows' own keys) and the shared
+        part as states along one split axis: the three-way LSE merge is the one reduction pass."""
+        own_cfg, shared_cfg = self.prefix_config, self.shared_config
+        with_tree = not self.own_kv_in_prefix
+        n_own, n_tree = own_cfg.num_splits, int(with_tree)
+        states = n_own + n_tree + shared_cfg.num_splits
+        part_o = torch.empty(q.shape[0], self.num_qo_heads, states, self.head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(q.shape[0], self.num_qo_heads, states, dtype=torch.float32, device=q.device)
+        meta = self._cascade_meta
+        prefix_attention_partials(q, k_buffer, v_buffer, self.kv_indptr, self.kv_indices, self.tree_size,
+                                  part_o, part_lse, sm_scale, own_cfg, kv_skip=meta[2:3])
+        if with_tree:
+            tree_attention(q, k_tree, v_tree, self.tree_mask, sm_scale,
+                           out=part_o[:, :, n_own], lse=part_lse[:, :, n_own])
+        # Every row of the batch as one request of bs*T tokens over the shared slots.
+        rest = n_own + n_tree
+        prefix_attention_partials(q, k_buffer, v_buffer, meta[0:2], self.kv_indices, q.shape[0],
+                                  part_o[:, :, rest:], part_lse[:, :, rest:], sm_scale, shared_cfg)
+        merge_split_states(part_o, part_lse, out=out, out_lse=lse)
+        return out
+
     def _run_fa3(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
         o_prefix, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale)  # lse [bs, Hq, T], base 2
         T, G = self.tree_size, self.group
-        s_req, s_head, s_t = lse_prefix.stride()
-        strides = (token_head_strides(o_prefix, T, G), (s_req, s_t, G * s_head, s_head))
+        if self.cascade:  # own parts + shared part first (fp32), then the tree as without cascade
+            o_own, lse_own = o_prefix, lse_prefix
+            o_prefix = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            lse_prefix = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            self._merge_shared(q, k_buffer, v_buffer, o_own, lse_own, o_prefix, lse_prefix, sm_scale)
+            strides = (token_head_strides(o_prefix, T, G), token_head_strides(lse_prefix, T, G))
+        else:
+            s_req, s_head, s_t = lse_prefix.stride()
+            strides = (token_head_strides(o_prefix, T, G), (s_req, s_t, G * s_head, s_head))
         return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, sm_scale)
+
+    def _merge_shared(self, q, k_buffer, v_buffer, o_own, lse_own, out, lse, sm_scale):
+        """FA3's shared part (all ``bs*T`` rows as one request) merged with its own parts
+        (``lse_own [bs, Hq, T]``) into ``out``/``lse``."""
+        o_shared, lse_shared = self._fa3_shared.run(q, k_buffer, v_buffer, sm_scale)  # lse [1, Hq, bs*T]
+        T, G = self.tree_size, self.group
+        s_req, s_head, s_t = lse_own.stride()
+        _, sh_head, sh_t = lse_shared.stride()
+        merge_two_states_strided(
+            o_own, lse_own, (token_head_strides(o_own, T, G), (s_req, s_t, G * s_head, s_head)),
+            o_shared, lse_shared, (token_head_strides(o_shared, T, G), (T * sh_t, sh_t, G * sh_head, sh_head)),
+            out, lse, T, G,
+        )
 
     def _run_folded(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse):
         o_prefix, lse_prefix = self._folded.run(q, k_buffer, v_buffer)
@@ -366,6 +500,7 @@ def hybrid_tree_attention(
     prefix_lens_host: Optional[Sequence[int]] = None,
     prefix_config: Optional[PrefixKernelConfig] = None,
     return_lse: bool = False,
+    shared_prefix_len: int | torch.Tensor | None = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """One-shot ``plan`` + ``run`` of :class:`HybridTreeAttention` (see the module docstring).
 
@@ -374,7 +509,7 @@ def hybrid_tree_attention(
     attn = HybridTreeAttention(q.shape[1], k_buffer.shape[1], q.shape[2], q.device, prefix_backend=prefix_backend)
     attn.plan(
         kv_indptr, kv_indices, tree_mask, sm_scale=sm_scale, q_dtype=q.dtype, kv_dtype=k_buffer.dtype,
-        prefix_lens_host=prefix_lens_host, prefix_config=prefix_config,
+        prefix_lens_host=prefix_lens_host, prefix_config=prefix_config, shared_prefix_len=shared_prefix_len,
     )
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if return_lse else None
     o = attn.run(q, k_buffer, v_buffer, k_tree, v_tree, lse=lse)

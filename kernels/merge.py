@@ -127,7 +127,7 @@ def merge_split_states(
     block_d = next_pow2(head_dim)
     # Rows per program: a few thousand partial elements per program on a GPU; as many as
     # possible in the interpreter, whose cost is per executed operation.
-    budget = 1 << 21 if interpreting(_merge_split_states_kernel) else 4096
+    budget = 1 << 20 if interpreting(_merge_split_states_kernel) else 4096  # the interpreter caps a tensor at 2^20
     block_r = max(1, min(next_pow2(num_rows), budget // (block_s * block_d)))
     block_r = 1 << (block_r.bit_length() - 1)
     _merge_split_states_kernel[(triton.cdiv(num_rows, block_r),)](

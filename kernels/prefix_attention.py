@@ -135,6 +135,7 @@ def _prefix_split_kernel(
     PartO,
     PartLse,
     Scores,
+    KvSkip,
     stride_q_tok,
     stride_q_head,
     stride_k_slot,
@@ -162,6 +163,7 @@ def _prefix_split_kernel(
     EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr,
     SCORE_ROWS: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -170,7 +172,10 @@ def _prefix_split_kernel(
     kv_head = pid_bh % num_kv_heads
 
     kv_lo = tl.load(KvIndptr + req)
-    kv_len = tl.load(KvIndptr + req + 1) - kv_lo
+    kv_hi = tl.load(KvIndptr + req + 1)
+    if HAS_SKIP:  # the request's own part of a cascade: its prefix past the shared slots
+        kv_lo = tl.minimum(kv_lo + tl.load(KvSkip), kv_hi)
+    kv_len = kv_hi - kv_lo
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
@@ -315,6 +320,7 @@ def prefix_attention_partials(
     config: PrefixKernelConfig,
     scores: torch.Tensor | None = None,
     score_rows: int = 2,
+    kv_skip: torch.Tensor | None = None,
 ) -> None:
     """Write the ``config.num_splits`` partial states of the prefix into ``part_o[:, :, :S]`` and
     ``part_lse[:, :, :S]`` (fp32, last dim of ``part_o`` contiguous).
@@ -324,6 +330,11 @@ def prefix_attention_partials(
     first ``score_rows`` draft tokens and the query heads of the KV head (the fused twin of
     :func:`sgl_longgen.kernels.verify_scores.prefix_logit_scores`); entries past a request's
     prefix are left as they are. Needs ``score_rows * G <= config.block_m``.
+
+    ``kv_skip`` (int32 device tensor, one element), when given, drops that many leading slots
+    of every request's prefix (a cascade's own part, the shared slots being attended apart);
+    read on the device, so a CUDA-graph replay may change it. No selection scores with it
+    (they would be indexed from the skipped slot).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -335,6 +346,10 @@ def prefix_attention_partials(
         check_scores(scores, bs, num_kv_heads, tree_size, score_rows)
         if score_rows * group > config.block_m:
             raise ValueError(f"score rows ({score_rows} x {group} heads) do not fit one row tile of {config.block_m}")
+    if scores is not None and kv_skip is not None:
+        raise ValueError("selection scores cover whole prefixes: not with kv_skip")
+    if kv_skip is not None and (kv_skip.dtype != torch.int32 or kv_skip.numel() != 1):
+        raise ValueError("kv_skip must be a one-element int32 tensor")
     if k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
         raise ValueError(f"the KV pool ({k_buffer.dtype}) must have the query dtype ({q.dtype})")
     if part_o.shape[2] < config.num_splits or part_lse.shape[2] < config.num_splits:
@@ -352,6 +367,7 @@ def prefix_attention_partials(
         part_o,
         part_lse,
         part_lse if scores is None else scores,
+        kv_indptr if kv_skip is None else kv_skip,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -379,6 +395,7 @@ def prefix_attention_partials(
         EVEN_D=max(16, next_pow2(head_dim)) == head_dim,
         UPCAST=upcast_dots(_prefix_split_kernel),
         SCORE_ROWS=0 if scores is None else score_rows,
+        HAS_SKIP=kv_skip is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

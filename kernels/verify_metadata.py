@@ -136,6 +136,7 @@ def page_table_from_indices(
     kv_indices: torch.Tensor,
     out: torch.Tensor,
     seq_lens_out: Optional[torch.Tensor] = None,
+    skip: torch.Tensor | None = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The prefixes as a dense page table (page size 1) and their lengths, for FA3's paged kernel.
 
@@ -144,15 +145,53 @@ def page_table_from_indices(
     never reads, since it stops at the row's length. ``W`` must cover the longest prefix (a wide
     persistent buffer may be passed as a column slice). Sync free, so a CUDA-graph replay's plan
     can fill persistent buffers with it.
+
+    ``skip`` (one-element int32 device tensor): each prefix without its first ``skip`` slots (a
+    cascade's own part; a prefix no longer than ``skip`` becomes empty).
     """
     bs, width = out.shape
-    lens = kv_indptr[1 : bs + 1] - kv_indptr[:bs]
+    starts, ends = kv_indptr[:bs], kv_indptr[1 : bs + 1]
+    if skip is not None:
+        starts = torch.minimum(starts + skip, ends)
+    lens = ends - starts
     if seq_lens_out is None:
         seq_lens_out = torch.empty(bs, dtype=torch.int32, device=out.device)
     seq_lens_out[:bs].copy_(lens)
     if kv_indices.numel() == 0:
         out.zero_()
         return out, seq_lens_out[:bs]
-    pos = kv_indptr[:bs, None].to(torch.int64) + torch.arange(width, device=out.device)[None, :]
+    pos = starts[:, None].to(torch.int64) + torch.arange(width, device=out.device)[None, :]
     out.copy_(kv_indices[pos.clamp_(max=kv_indices.numel() - 1)])
     return out, seq_lens_out[:bs]
+
+
+def shared_prefix_length(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    *,
+    min_shared: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """How many leading committed slots every request of the batch shares (a one-element int32
+    device tensor, sync free): the radix cache gives requests with a common prompt the same
+    slots over it, so the longest common prefix of their ``req_to_token`` rows is the prefix a
+    cascade may attend once.
+
+    Only the first ``width`` slots are compared (a host bound, at most the shortest committed
+    length; a fixed width keeps the shape constant for CUDA graphs), and never past the shortest
+    ``seq_lens``. A common prefix shorter than ``min_shared`` counts as none (0). One request
+    shares its whole prefix (up to ``width``) with itself.
+    """
+    device = req_to_token.device
+    if out is None:
+        out = torch.empty(1, dtype=torch.int32, device=device)
+    if width <= 0 or req_pool_indices.numel() == 0:
+        return out.zero_()
+    rows = req_to_token[req_pool_indices.to(torch.int64), :width]  # [bs, width]
+    pos = torch.arange(rows.shape[1], device=device)
+    differs = (rows != rows[:1]).any(0) | (pos >= seq_lens.min().to(device))
+    common = torch.where(differs, pos, rows.shape[1]).min()
+    out.copy_(torch.where(common >= min_shared, common, 0).view(1))
+    return out

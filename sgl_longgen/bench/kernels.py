@@ -11,6 +11,11 @@ Two tables, one run, Llama-3.1-8B attention shape (32 query heads, 8 KV heads, h
   tokens with SGLang's attention vs with the hybrid attention. This is the model forward only;
   SGLang's scheduler adds a fixed ~4 ms per step to every variant.
 
+A third table, ``cascade``, times one layer's verify attention of ``--cascade-batch`` requests
+that share a ``--cascade-shared``-token prompt (the same pool slots, as SGLang's radix cache gives
+them), each with ``--cascade-own`` tokens of its own, per prefix path: the whole batch without
+and with the cascade (the shared prefix read once for the batch), against one request alone.
+
 Both tables also time the hybrid verify with the verification-guided selection scores
 (``run(scores=...)``, TOKENSWIFT's ``partial_kv.policy = "verify"``) on the Triton and FA3 prefix
 paths: ``scores`` lines give the time with them and the overhead over the same path without.
@@ -20,6 +25,7 @@ Usage (GPU host)::
     python -m sgl_longgen.bench.kernels                      # both tables, default shapes
     python -m sgl_longgen.bench.kernels --json out.json      # also write every number
     python -m sgl_longgen.bench.kernels --mode attention --tune   # + a sweep of Triton tiles
+    python -m sgl_longgen.bench.kernels --mode cascade       # 8 requests sharing a 32K prompt, T=64
 
 The first run compiles FlashInfer's kernels (about two minutes); later runs reuse its cache.
 """
@@ -240,6 +246,58 @@ def print_attention_row(r, flush=False) -> None:
     )
 
 
+# --------------------------------------------------------------------------- cascade table
+class SharedBatch:
+    """``bs`` requests over one shared prompt of ``shared`` slots, then ``own`` slots each, and a
+    tree of ``T`` tokens per request; one layer's inputs."""
+
+    def __init__(self, bs, shared, own, T, device, g):
+        self.bs, self.shared, self.own, self.T = bs, shared, own, T
+        n = shared + bs * own
+        self.k_pool = torch.randn(max(n, 1), NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+        self.v_pool = torch.randn_like(self.k_pool)
+        prompt = torch.arange(shared, dtype=torch.int32)
+        rows = [torch.cat([prompt, torch.arange(shared + b * own, shared + (b + 1) * own, dtype=torch.int32)])
+                for b in range(bs)]
+        self.kv_indptr = _i32([0] + [(shared + own) * (b + 1) for b in range(bs)], device)
+        self.kv_indices = torch.cat(rows).to(device)
+        self.tree = random_tree_mask(bs, T, generator=g).to(device)
+        self.q = torch.randn(bs * T, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+        self.k_tree = torch.randn(bs * T, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+        self.v_tree = torch.randn_like(self.k_tree)
+
+    def attention(self, backend, device, shared_prefix_len=None, requests=None):
+        """A planned ``HybridTreeAttention`` over the first ``requests`` (default all) and its run."""
+        bs = requests or self.bs
+        attn = HybridTreeAttention(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, device, prefix_backend=backend)
+        attn.plan(self.kv_indptr[: bs + 1], self.kv_indices, self.tree[:bs], q_dtype=DTYPE,
+                  prefix_lens_host=[self.shared + self.own] * bs, shared_prefix_len=shared_prefix_len)
+        rows = bs * self.T
+        q, k_tree, v_tree = self.q[:rows], self.k_tree[:rows], self.v_tree[:rows]
+        return attn, lambda: attn.run(q, self.k_pool, self.v_pool, k_tree, v_tree)
+
+
+def cascade_table(bs, shared, own, trees, device, rows: list[dict]) -> None:
+    g = torch.Generator().manual_seed(2)
+    backends = ["triton"] + (["fa3"] if fa3_supported(HEAD_DIM, DTYPE, DTYPE, torch.device(device)) else [])
+    for T in trees:
+        batch = SharedBatch(bs, shared, own, T, device, g)
+        for backend in backends:
+            _, one = batch.attention(backend, device, requests=1)
+            _, plain = batch.attention(backend, device)
+            _, cascade = batch.attention(backend, device, shared_prefix_len=shared)
+            ref = plain().float()
+            row = {"table": "cascade", "bs": bs, "shared": shared, "own": own, "T": T, "path": backend,
+                   "one_request_us": time_us(one), "batch_us": time_us(plain), "cascade_us": time_us(cascade),
+                   "cascade_err": (cascade().float() - ref).abs().max().item()}
+            rows.append(row)
+            one_us = row["one_request_us"]
+            print(f"bs {bs} shared {shared:6d} own {own:5d} T {T:3d} {backend:6s} | one request {one_us:7.1f} us | "
+                  f"batch {row['batch_us']:7.1f} us ({row['batch_us'] / one_us:4.2f}x) | cascade "
+                  f"{row['cascade_us']:7.1f} us ({row['cascade_us'] / one_us:4.2f}x) err {row['cascade_err']:.1e}",
+                  flush=True)
+
+
 # ----------------------------------------------------------------------------- step table
 class SyntheticLlama:
     """Llama-3.1-8B-shaped decoder (random weights) whose attention is pluggable, for step timing."""
@@ -355,7 +413,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="4096,32768,98304", help="prefix lengths")
     parser.add_argument("--trees", default="16,64,121", help="draft tree sizes T")
-    parser.add_argument("--mode", choices=("all", "attention", "step"), default="all")
+    parser.add_argument("--mode", choices=("all", "attention", "step", "cascade"), default="all")
+    parser.add_argument("--cascade-batch", type=int, default=8, help="requests sharing the prompt (cascade table)")
+    parser.add_argument("--cascade-shared", type=int, default=32768, help="shared prompt tokens (cascade table)")
+    parser.add_argument("--cascade-own", type=int, default=0, help="tokens of each request's own (cascade table)")
+    parser.add_argument("--cascade-trees", default="64", help="draft tree sizes T of the cascade table")
     parser.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (step table)")
     parser.add_argument("--tune", action="store_true", help="sweep Triton prefix tiles (attention table)")
     parser.add_argument("--json", help="write all numbers to this file")
@@ -368,6 +430,12 @@ def main(argv=None) -> int:
         parser.error(f"--heads takes Q/KV, e.g. 28/4, not {args.heads!r}")
     if NUM_Q_HEADS % NUM_KV_HEADS:
         parser.error(f"--heads {args.heads}: query heads must be a multiple of KV heads")
+    if args.cascade_batch < 1 or args.cascade_shared < 0 or args.cascade_own < 0:
+        parser.error("--cascade-batch must be >= 1, --cascade-shared and --cascade-own >= 0")
+    try:
+        cascade_trees = [int(x) for x in args.cascade_trees.split(",")]
+    except ValueError:
+        parser.error(f"--cascade-trees takes sizes like 16,64, not {args.cascade_trees!r}")
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -380,6 +448,10 @@ def main(argv=None) -> int:
     if args.mode in ("all", "attention"):
         print("# attention, one layer (us; x = over AR decode attention; err = max|hybrid - SGLang|)", flush=True)
         attention_table(contexts, trees, device, args.tune, rows)
+    if args.mode in ("all", "cascade"):
+        print(f"# cascade: {args.cascade_batch} requests sharing a {args.cascade_shared}-token prompt, one layer "
+              "(us; x = over one request alone; err = max|cascade - no cascade|)", flush=True)
+        cascade_table(args.cascade_batch, args.cascade_shared, args.cascade_own, cascade_trees, device, rows)
     if args.mode in ("all", "step"):
         print(f"# whole forward step, synthetic Llama-3.1-8B, {args.layers} layers, CUDA graphs (ms)", flush=True)
         step_table(contexts, trees, device, args.layers, rows)

@@ -100,3 +100,18 @@ def with_own_slots(batch: VerifyBatch):
     for b in range(bs):
         parts += [batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]], own[b : b + 1]]
     return indptr, torch.cat(parts), lens.tolist()
+
+
+def make_shared_batch(shared_len, own_lens, tree_size, num_q_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """A batch whose requests share their first ``shared_len`` pool slots (as the radix cache
+    shares a common prompt's pages), each followed by ``own_lens[b]`` slots of its own.
+    ``kv_indptr``/``kv_indices`` list every request's whole prefix, shared slots included, as
+    the non-cascade path and the reference read them.
+    """
+    batch = make_batch([shared_len + n for n in own_lens], tree_size, num_q_heads, num_kv_heads, head_dim,
+                       dtype, seed=seed)
+    indptr = batch.kv_indptr.tolist()
+    shared = batch.kv_indices[: shared_len].clone()
+    for b in range(1, len(own_lens)):
+        batch.kv_indices[indptr[b] : indptr[b] + shared_len] = shared
+    return batch

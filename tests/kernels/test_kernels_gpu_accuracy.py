@@ -140,3 +140,47 @@ def test_fa3_path_replays_in_a_cuda_graph_with_new_prefixes(group):
         err = max_err(out, batch.reference()[0])
         print(f"FA3 graph replay G={group} prefixes={batch.prefix_lens}: max|o - ref| = {err:.3e}")
         assert err <= ACCEPT
+
+
+@pytest.mark.parametrize("tree_size", [1, 16, 64])
+@pytest.mark.parametrize("prefix_backend", ["triton", "fa3"])
+def test_cascade_over_a_shared_prompt_matches_fp32_reference(tree_size, prefix_backend):
+    """8 requests sharing an 8K prompt (one with nothing of its own): the cascade, eager and with a
+    device-side shared length in a CUDA graph replayed with another one, within the bf16 bound."""
+    if prefix_backend == "fa3" and not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("FA3 needs a Hopper GPU and sgl_kernel's flash_ops")
+    from kernel_cases import make_shared_batch
+
+    own = [0, 1, 7, 300, 4095, 2, 64, 33]
+    batch = make_shared_batch(8192, own, tree_size, HQ, HKV, D, torch.bfloat16, seed=tree_size)
+    batch.sm_scale = D**-0.5
+    ref_o, _ = batch.reference()
+    attn = HybridTreeAttention(HQ, HKV, D, "cuda", prefix_backend=prefix_backend)
+    attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=torch.bfloat16,
+              prefix_lens_host=[8192 + n for n in own], shared_prefix_len=8192)
+    out = nan_like(batch.q)
+    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out)
+    assert attn.cascade and attn.path == prefix_backend and max_err(out, ref_o) <= ACCEPT
+
+    shared = torch.tensor([8192], dtype=torch.int32, device="cuda")
+    graph_attn = HybridTreeAttention(HQ, HKV, D, "cuda", prefix_backend=prefix_backend, use_cuda_graph=True,
+                                     graph_page_table_buf=torch.zeros(8, 16384, dtype=torch.int32, device="cuda"),
+                                     graph_seq_lens_buf=torch.zeros(8, dtype=torch.int32, device="cuda"))
+    graph_attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
+                    q_dtype=torch.bfloat16, shared_prefix_len=shared, max_prefix_len=16384)
+    out = torch.empty_like(batch.q)
+    def run():
+        graph_attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    shared.fill_(100)  # replan with a shorter shared part (still a common prefix), then replay
+    graph_attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
+                    q_dtype=torch.bfloat16, shared_prefix_len=shared, max_prefix_len=16384)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert max_err(out, ref_o) <= ACCEPT

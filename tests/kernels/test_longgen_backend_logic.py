@@ -50,6 +50,7 @@ def make_backend(max_bs=4, num_slots=9000, context=1024, seed=0):
     be._graph_kv_indptr = be._graph_tree_mask = be._graph_fold_workspace = None
     be._graph_page_table = be._graph_seq_lens = None
     be._max_context = context
+    be._cascade_min_shared = 2048
     be.kv_cache_quant_method = SimpleNamespace(needs_global_scale=lambda: True)
     # every request row holds distinct random slots; slot 0 is the padding slot, as in SGLang
     perm = 1 + torch.randperm(num_slots - 1, generator=g)[: 8 * context].to(torch.int32)
@@ -180,3 +181,73 @@ def test_a_width_one_verify_is_one_prefix_pass_over_prefix_and_own_slot(monkeypa
     q, k, v, layer = layer_inputs(g, 4)
     o = be.forward_extend(q, k, v, layer, fb2)
     assert max_err(o.view(-1, HQ, D)[:3], reference(be, fb2, trees2, q, k, v, layer, 3)) <= TOL[DTYPE]
+
+
+def share_rows(be, rows, shared_len, diverge_at=None):
+    """Give ``rows`` of ``req_to_token`` row ``rows[0]``'s first ``shared_len`` slots, as the radix
+    cache does for requests with a common prompt; ``diverge_at``: the last row holds another slot there."""
+    rt = be.req_to_token_pool.req_to_token
+    for r in rows[1:]:
+        rt[r, :shared_len] = rt[rows[0], :shared_len]
+    if diverge_at is not None:
+        other = next(r for r in range(rt.shape[0]) if r not in rows)
+        rt[rows[-1], diverge_at] = rt[other, -1]  # a pool slot none of the rows holds
+
+
+def test_shared_prefix_length_of_slot_rows():
+    from sgl_longgen.kernels.verify_metadata import shared_prefix_length
+
+    be, _ = make_backend()
+    rt = be.req_to_token_pool.req_to_token
+    share_rows(be, [5, 2, 7], 600)
+    rpi, lens = torch.tensor([5, 2, 7]), torch.tensor([700, 650, 900])
+    assert shared_prefix_length(rt, rpi, lens, 650).item() == 600
+    assert shared_prefix_length(rt, rpi, lens, 400).item() == 400  # never past the width compared
+    assert shared_prefix_length(rt, rpi, torch.tensor([700, 350, 900]), 650).item() == 350  # nor the shortest
+    assert shared_prefix_length(rt, rpi, lens, 650, min_shared=601).item() == 0  # too short to count
+    share_rows(be, [5, 2, 7], 600, diverge_at=123)  # the last row diverges at slot 123
+    assert shared_prefix_length(rt, rpi, lens, 650).item() == 123
+    assert shared_prefix_length(rt, torch.tensor([1, 3]), lens[:2], 650).item() == 0  # distinct rows
+    assert shared_prefix_length(rt, torch.tensor([3]), lens[:1], 650).item() == 650  # one request: its own
+
+
+@pytest.mark.parametrize("rows,lens,diverge_at,shared", [
+    ([5, 2, 7], [700, 450, 420], None, 400),  # a common prompt of 400 slots
+    ([5, 2, 7], [700, 450, 400], None, 400),  # the shortest request's whole prefix is shared
+    ([5, 2, 7], [700, 450, 420], 100, 0),  # rows diverge at slot 100 < the threshold: nothing shared
+    ([1, 3, 4], [700, 450, 420], 300, 300),  # they diverge at slot 300
+])
+def test_eager_verify_cascades_over_a_shared_prompt(rows, lens, diverge_at, shared):
+    be, g = make_backend()
+    be._cascade_min_shared = 256
+    share_rows(be, rows, 400, diverge_at)
+    fb, trees = verify_batch(be, g, lens, rows)
+    be.init_forward_metadata(fb)
+    attn = be.forward_metadata.attn
+    assert attn.cascade and attn._cascade_meta[2].item() == shared
+    q, k, v, layer = layer_inputs(g, 3 * N)
+    o = be.forward_extend(q, k, v, layer, fb)
+    assert max_err(o.view(-1, HQ, D), reference(be, fb, trees, q, k, v, layer, 3)) <= TOL[DTYPE]
+
+
+def test_no_cascade_for_one_request_short_prefixes_or_when_off():
+    be, g = make_backend()
+    share_rows(be, [5, 2], 600)
+    for threshold, lens, rows in ((256, [700], [5]), (1024, [700, 650], [5, 2]), (0, [700, 650], [5, 2])):
+        be._cascade_min_shared = threshold
+        fb, trees = verify_batch(be, g, lens, rows)
+        be.init_forward_metadata(fb)
+        assert not be.forward_metadata.attn.cascade
+        q, k, v, layer = layer_inputs(g, len(lens) * N)
+        o = be.forward_extend(q, k, v, layer, fb)
+        assert max_err(o.view(-1, HQ, D), reference(be, fb, trees, q, k, v, layer, len(lens))) <= TOL[DTYPE]
+
+
+def test_a_bad_cascade_threshold_is_refused_naming_the_variable(monkeypatch):
+    from sgl_longgen.sglang.backends import hybrid
+
+    monkeypatch.setenv("SGLANG_LONGGEN_CASCADE_MIN_SHARED", "lots")
+    with pytest.raises(ValueError, match="SGLANG_LONGGEN_CASCADE_MIN_SHARED"):
+        hybrid._cascade_min_shared()
+    monkeypatch.setenv("SGLANG_LONGGEN_CASCADE_MIN_SHARED", "0")
+    assert hybrid._cascade_min_shared() == 0
