@@ -9,7 +9,7 @@ our variables carry the prefix SGLang itself keeps. A variable still set under t
 ``PREFIX_BACKEND``      hybrid verify's prefix path: ``auto``, ``fa3``, ``triton``, ``flashinfer_fold``
 ``FOLD_MAX_TREE``       trees up to this size fold into FlashInfer's decode (default 32)
 ``FOLD_WORKSPACE_MB``   scratch space the folded path may take (default 1024)
-``CASCADE_MIN_SHARED``  shared prefix (tokens) from which a verify of several requests reads it once (default 2048)
+``CASCADE_MIN_SHARED``  shared prefix (tokens) from which a verify of several requests reads it once (default 0: never)
 ``VERIFY_CHECK``        ``1``: compare every hybrid verify layer with FlashInfer's (eager)
 ``HOST_PROFILE``        a file: cProfile the decode steps of requests that ask for it
 ``INJECT_DRAFT_FAULT``  ``N``: drafting raises on the N-th decode step (fault-isolation tests)

@@ -249,5 +249,7 @@ def test_a_bad_cascade_threshold_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("SGLANG_LONGGEN_CASCADE_MIN_SHARED", "lots")
     with pytest.raises(ValueError, match="SGLANG_LONGGEN_CASCADE_MIN_SHARED"):
         hybrid._cascade_min_shared()
-    monkeypatch.setenv("SGLANG_LONGGEN_CASCADE_MIN_SHARED", "0")
-    assert hybrid._cascade_min_shared() == 0
+    monkeypatch.setenv("SGLANG_LONGGEN_CASCADE_MIN_SHARED", "2048")
+    assert hybrid._cascade_min_shared() == 2048
+    monkeypatch.delenv("SGLANG_LONGGEN_CASCADE_MIN_SHARED")
+    assert hybrid._cascade_min_shared() == 0  # opt-in

@@ -20,7 +20,7 @@ one prefix pass, no tree kernel and no merge (``own_kv_in_prefix``), and writes 
 
 Cascade across requests: requests with a common prompt (n samples of one prompt, a shared
 document) hold the same pool slots over it (SGLang's radix cache), so an eager verify of two or
-more requests whose shortest committed prefix reaches ``CASCADE_MIN_SHARED`` tokens finds the
+more requests whose shortest committed prefix reaches ``CASCADE_MIN_SHARED`` tokens (opt-in) finds the
 longest common prefix of their slot rows on the device (no sync) and plans the hybrid attention
 as a cascade: the shared slots read once for the batch, each request's own slots, the tree, one
 LSE merge (exact; ``HybridTreeAttention``). Captured verify graphs do not cascade (a graph holds
@@ -42,7 +42,7 @@ draft graph's persistent per-layer buffer), so each layer reads exactly its own 
 Environment:
     SGLANG_LONGGEN_PREFIX_BACKEND=auto|triton|flashinfer_fold   prefix path (default auto)
     SGLANG_LONGGEN_CASCADE_MIN_SHARED=N   shared prefix (tokens) from which an eager verify of
-        several requests cascades (default 2048; 0: never)
+        several requests cascades (default 0: never)
     SGLANG_LONGGEN_VERIFY_CHECK=1   eager only: also run FlashInfer's masked verify on every layer
         and raise if the outputs differ by more than 2e-2 (relative to max(1, |ref|)).
 """
@@ -81,7 +81,7 @@ CHECK_TOLERANCE = 2e-2
 
 
 def _cascade_min_shared() -> int:
-    raw = env.get("CASCADE_MIN_SHARED", "2048")
+    raw = env.get("CASCADE_MIN_SHARED", "0")
     try:
         value = int(raw)
     except ValueError:
@@ -92,7 +92,10 @@ def _cascade_min_shared() -> int:
 
 
 CASCADE_MIN_SHARED = _cascade_min_shared()
-"""Shared prefix length (tokens) from which a verify of several requests cascades (0: never).
+"""Shared prefix length (tokens) from which a verify of several requests cascades (0, the
+default: never). Opt-in: the cascade saves the shared prefix's re-reads, not its arithmetic, so
+what it buys depends on the GPU and the tree size; ``python -m sgl_longgen.bench.kernels --mode
+cascade`` shows it, and a few thousand tokens (e.g. 2048) is the sensible threshold where it pays.
 
 A cascade adds one launch (the shared part) and merge states, and reads the shared slots once
 instead of once per request. Below a few thousand shared tokens the re-reads it saves cost less
