@@ -125,7 +125,7 @@ class StepCosts:
     to ``W`` nodes (adaptive widths).
     """
 
-    __slots__ = ("spec", "plain", "narrow")
+    __slots__ = ("narrow", "plain", "spec")
 
     def __init__(self, decay: float | None = None):
         self.spec = RecentMedian()
