@@ -1,12 +1,17 @@
 """Adaptive draft widths: the controller picks the verify width (or a plain step) per step from
-synthetic costs and accepted paths (no clock)."""
+synthetic costs and accepted paths (no clock), and the tries a width cuts."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from sgl_longgen.config import AdaptiveConfig, load_generate_config
 from sgl_longgen.core.adaptive import PLAIN, SPECULATE, AdaptiveController, StepCosts, batch_width
+from sgl_longgen.core.ngram import NgramPool
+from sgl_longgen.core.tokenswift import draft_trie
+from sgl_longgen.core.tree import DraftTree, Source, add_beam
 from sgl_longgen.errors import LonggenError
 
 PLAIN_COST = 1.0
@@ -131,3 +136,37 @@ def test_widths_are_checked_and_sorted():
                        ({"widths": 8}, r"\$.adaptive.widths"), ({"full_every": 0}, r"\$.adaptive.full_every")]:
         with pytest.raises(LonggenError, match=field):
             load_generate_config(None, {"adaptive": bad})
+
+
+# -- the cut a width stands for: a trie's first nodes ---------------------------------------------
+
+
+def first_nodes(tree: DraftTree, n: int) -> list[tuple[int, int]]:
+    """(parent, token) of the trie's first ``n`` nodes."""
+    return list(zip(tree.parents, tree.tokens))[:n]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_trie_drafted_with_max_nodes_is_the_full_tries_first_nodes(seed):
+    """What makes one verified step a sample of every narrower width: the method's trie cut to W
+    nodes is exactly the first W nodes of its full trie, so the walk's path inside it is the full
+    path's nodes at positions < W (the same draws give it in greedy decoding)."""
+    rng = random.Random(seed)
+    vocab = 6
+    pool = NgramPool(3, 4)
+    pool.extend([rng.randrange(vocab) for _ in range(60)], 60)
+    cands = [[rng.randrange(vocab) for _ in range(3)] for _ in range(4)]
+    cands = [list(dict.fromkeys(row)) for row in cands]
+    continuation = [rng.randrange(vocab) for _ in range(rng.randrange(6))]
+    full = draft_trie(7, cands, [1, 3, 3, 3], pool, None, continuation)
+    # A random beam (parents before children, duplicates merged by the trie).
+    tokens, parents = [], []
+    for i in range(30):
+        parents.append(rng.randrange(-1, i) if i else -1)
+        tokens.append(rng.randrange(3))
+    beam_full = add_beam(DraftTree(7), tokens, parents, Source.LSTM)
+    for w in range(1, max(len(full), len(beam_full)) + 2):
+        cut = draft_trie(7, cands, [1, 3, 3, 3], pool, w, continuation)
+        assert len(cut) == min(w, len(full)) and first_nodes(cut, w) == first_nodes(full, w)
+        beam_cut = add_beam(DraftTree(7), tokens, parents, Source.LSTM, w)
+        assert len(beam_cut) == min(w, len(beam_full)) and first_nodes(beam_cut, w) == first_nodes(beam_full, w)
