@@ -8,7 +8,13 @@ import random
 import pytest
 
 from sgl_longgen.config import AdaptiveConfig, load_generate_config
-from sgl_longgen.core.adaptive import PLAIN, SPECULATE, AdaptiveController, StepCosts, batch_width
+from sgl_longgen.core.adaptive import (
+    PLAIN,
+    SPECULATE,
+    AdaptiveController,
+    StepCosts,
+    batch_width,
+)
 from sgl_longgen.core.ngram import NgramPool
 from sgl_longgen.core.tokenswift import draft_trie
 from sgl_longgen.core.tree import DraftTree, Source, add_beam

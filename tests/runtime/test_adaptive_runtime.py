@@ -3,7 +3,8 @@ speed when drafts never match, speculation where they do.
 
 The mix of the real controller depends on measured wall times; the lossless tests also force
 fixed mixes (a scripted controller), so every transition (speculative after plain, plain after
-speculative, runs of each) is exercised deterministically.
+speculative, runs of each) is exercised deterministically. With ``[adaptive] widths`` the mixes
+also hold speculative steps over tries cut to a few nodes (every method), greedy and sampled.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def test_greedy_output_is_plain_decoding_at_every_draft_width(monkeypatch, metho
     narrow_accepted = 0
     for mix in WIDTH_MIXES:
         ctrl = Scripted(mix)
-        monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c: ctrl)
+        monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c, ctrl=ctrl: ctrl)
         result = build_decoder(model(name), cfg, drafter_dir=drafter).generate(PROMPT, NEW_TOKENS)
         assert result.error is None and tuple(result.output_ids) == expected, mix
         s = result.stats
@@ -131,6 +132,20 @@ def test_greedy_output_is_plain_decoding_at_every_draft_width(monkeypatch, metho
             if width is not None:
                 narrow_accepted += len(nodes) - 1
     assert narrow_accepted > 0  # the cut tries still got drafts accepted
+
+
+def test_longspec_beams_cut_to_a_width_stay_lossless(monkeypatch):
+    # The drafter fitted to this prompt's continuation.
+    from test_longspec_lossless import fitted
+
+    ctrl = Scripted("2S4P8")
+    monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c: ctrl)
+    cfg = adaptive("longspec", adaptive__widths=[2, 4, 8])
+    result = build_decoder(model("tiny-random"), cfg, longspec_dir=fitted("tiny-random")).generate(PROMPT, NEW_TOKENS)
+    assert tuple(result.output_ids) == ar_output("tiny-random", 1.0, 1024, NEW_TOKENS)
+    assert set(result.stats.width_steps) == {"2", "4", "8", "full"}
+    assert all(width is None or nodes[-1] < width for width, nodes in ctrl.paths)
+    assert sum(len(nodes) - 1 for width, nodes in ctrl.paths if width is not None) > 0
 
 
 @pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
@@ -260,8 +275,9 @@ def test_sampled_mixes_follow_the_exact_distribution(monkeypatch, method):
                                   adaptive=msgspec.structs.replace(cfg.adaptive, widths=[2, 3]))
     # Speculative steps over the full draft ("S") and over its first 2 or 3 nodes.
     controllers = []
+    mixes = itertools.cycle(["SS", "SP", "PS", "PP", "2S", "S3", "3P", "23"])
 
-    def scripted(c, mixes=itertools.cycle(["SS", "SP", "PS", "PP", "2S", "S3", "3P", "23"])):
+    def scripted(c):
         controllers.append(Scripted(next(mixes)))
         return controllers[-1]
 
