@@ -306,8 +306,9 @@ class AdaptiveController:
         cfg = self.config
         costs = costs or self.costs
         self._probing = False
-        self.width, self._forced = None, bool(self.widths)  # warm-up and probes: the full draft
+        self.width, self._forced = None, False  # warm-up and probes: the full draft, due
         if self.spec_steps < cfg.warmup:
+            self._forced = bool(self.widths)
             return SPECULATE
         if costs.plain.value is None:
             return PLAIN  # measure what a plain step costs
@@ -319,6 +320,7 @@ class AdaptiveController:
         spec = costs.spec.value if costs.spec.value is not None else costs.plain.value
         if self.since_spec * costs.plain.value >= self.interval * spec:
             self._probing = True
+            self._forced = bool(self.widths)
             return SPECULATE
         return PLAIN
 
@@ -420,7 +422,8 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tup
     step of the batch commits the sum of their expectations (an unknown one counts as paying
     for itself) where a plain step commits one token each, so the batch speculates iff
     ``sum(E_i) / spec_cost >= n / plain_cost``; a request's due probe or warm-up is served when
-    that holds and deferred otherwise.
+    that holds and deferred otherwise. With widths, iff that holds at some measured width (each
+    width's expectations over its own cost); :func:`batch_width` then picks the width.
     """
     kinds = [c.decide(costs) for c in controllers]
     if all(k == kinds[0] for k in kinds):
@@ -429,6 +432,11 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tup
         spec, plain = costs.spec.value, costs.plain.value
         if spec is None or plain is None:
             kind = SPECULATE if plain is not None else PLAIN
+        elif controllers[0].widths:
+            n = len(controllers)
+            pays = any(_batch_expected(controllers, w, cost, plain) * plain >= n * cost
+                       for w, cost in _measured_widths(controllers[0], costs))
+            kind = SPECULATE if pays else PLAIN
         else:
             expected = 0.0
             for c in controllers:
@@ -447,24 +455,40 @@ def batch_width(controllers: list[AdaptiveController], costs: StepCosts) -> int 
     measurement) gets it, widened to the widest such request (a wider step also samples every
     narrower width, so no request's estimates go stale). Otherwise the width with the most
     expected tokens per second for the batch together: the sum of the requests' expectations at
-    that width (an unknown one counting as one token) over the width's cost for this
-    batch shape. Lossless for the reason a single request's choice is: only past steps decide.
+    that width (an unknown one counting as paying for itself) over the width's cost for this
+    batch shape (ties: the wider). Lossless for the reason a single request's choice is: only
+    past steps decide.
     """
     if not controllers or not controllers[0].widths:
         return None
     due = [c.width for c in controllers if c.forced_width]
     if due:
         return None if None in due else max(due)
-    best, best_rate = None, None
-    for width in [None, *reversed(controllers[0].widths)]:
-        cost = costs.cost(width)
-        if cost is None or cost <= 0:
-            continue
-        total = 0.0
-        for c in controllers:
-            e = c.expected_at(width)
-            total += e if e is not None else 1.0
-        rate = total / cost
-        if best_rate is None or rate > best_rate:
-            best, best_rate = width, rate
+    plain = costs.plain.value
+    best, best_expected, best_cost = None, None, None
+    for width, cost in _measured_widths(controllers[0], costs):
+        expected = _batch_expected(controllers, width, cost, plain)
+        if best_expected is None or expected * best_cost > best_expected * cost:
+            best, best_expected, best_cost = width, expected, cost
     return best
+
+
+def _measured_widths(controller: AdaptiveController, costs: StepCosts) -> list[tuple[int | None, float]]:
+    """(width, cost) of the widths with a measured cost, the full draft first, then narrowing."""
+    out = []
+    for width in [None, *reversed(controller.widths)]:
+        cost = costs.cost(width)
+        if cost is not None:
+            out.append((width, cost))
+    return out
+
+
+def _batch_expected(controllers: list[AdaptiveController], width: int | None, cost: float,
+                    plain: float | None) -> float:
+    """The batch's expected tokens at ``width``; a request with no estimate there counts as paying
+    for the step (``cost / plain``, or one token while the plain cost is unknown)."""
+    total = 0.0
+    for c in controllers:
+        e = c.expected_at(width)
+        total += e if e is not None else (cost / plain if plain else 1.0)
+    return total

@@ -14,6 +14,7 @@ from sgl_longgen.core.adaptive import (
     AdaptiveController,
     StepCosts,
     batch_width,
+    decide_batch,
 )
 from sgl_longgen.core.ngram import NgramPool
 from sgl_longgen.core.tokenswift import draft_trie
@@ -176,3 +177,24 @@ def test_a_trie_drafted_with_max_nodes_is_the_full_tries_first_nodes(seed):
         assert len(cut) == min(w, len(full)) and first_nodes(cut, w) == first_nodes(full, w)
         beam_cut = add_beam(DraftTree(7), tokens, parents, Source.LSTM, w)
         assert len(beam_cut) == min(w, len(beam_full)) and first_nodes(beam_cut, w) == first_nodes(beam_full, w)
+
+
+def test_a_batch_speculates_when_some_width_pays_for_it():
+    """Two requests accept their first nodes only, one nothing: at width 4, 4 + 4 + 1 tokens per
+    1.1 s beat three plain tokens per second; over the full draft 9 per 1.7 s would too, but not
+    at 6.0 s. Requests that want a plain step do not decide the width."""
+    costs = StepCosts()
+    costs.plain.add(1.0)
+    costs.at(4).add(1.1)
+    costs.spec.add(6.0)
+    ctrls = [AdaptiveController(AdaptiveConfig(widths=[4]), costs) for _ in range(3)]
+    for c, path in zip(ctrls, [[0, 1, 2, 3], [0, 1, 2, 3], [0]]):
+        c.record_spec(len(path), width=None, nodes=path)
+        c.record_plain()
+    kinds = [c.decide(costs) for c in ctrls]
+    assert kinds == [SPECULATE, SPECULATE, PLAIN]
+    kind, probes = decide_batch(ctrls, costs)
+    assert kind == SPECULATE and probes == [False] * 3 and batch_width(ctrls, costs) == 4
+    costs.at(4).add(4.0)
+    costs.at(4).add(4.0)  # the recent median: now no width pays (9 / 4.0 < 3 / 1.0)
+    assert decide_batch(ctrls, costs)[0] == PLAIN
