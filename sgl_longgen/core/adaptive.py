@@ -46,10 +46,12 @@ is counterfactual: exact for greedy decoding (the walk would have drawn the same
 approximation when sampling (the draws past the cut would differ) and when a method routes by
 its width (HOWL scores its chain as cut). It needs no more than that: the estimates only choose
 the next step's width, and any choice made from past steps alone is lossless by the argument
-above (a narrower trie is just another draft). A width never measured is tried once its
-acceptance is known (a few steps per width, then it is priced like the others); while a
-narrower width wins, one speculative step in ``full_every`` and every probe take the full draft,
-so every width's estimate keeps getting samples.
+above (a narrower trie is just another draft). A width whose cost is not measured yet counts
+as paying and is tried once its acceptance is known: one step per width (per cost bucket in an
+engine), after which it is priced like the others. While a narrower width wins, one speculative
+step in ``full_every`` and every probe take the full draft, so every width's estimate keeps
+getting samples (and a width's cost is re-measured whenever it is taken: one measured at a
+shorter context looks cheap, gets taken, and is priced again).
 
 A batch takes one kind of step (:func:`decide_batch`): the controllers of its requests share
 the costs of the batch's shape (:class:`CostTable`: measured per batch size and context length,

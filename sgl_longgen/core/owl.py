@@ -491,7 +491,6 @@ def beam_trees(beam: DraftBeam, roots: Sequence[int] | torch.Tensor, max_nodes: 
     return [add_beam(DraftTree(root), tokens[b], parents[b], Source.LSTM, max_nodes, b) for b, root in enumerate(roots)]
 
 
-
 def propose(
     drafter: OwlDrafter,
     h_last: torch.Tensor,

@@ -84,7 +84,9 @@ class Owl:
                 routes: Sequence[Route | None], max_nodes: int | None = None) -> list[Draft]:
         """One draft per request; the tree rounds of the batch share one beam. ``max_nodes``: each
         trie cut to its first that many nodes, the root included (a tree round keeps its beam's
-        shallow levels, a linear round its chain's first ``max_nodes - 1`` tokens)."""
+        shallow levels, a linear round its chain's first ``max_nodes - 1`` tokens). [SPEC] leaves
+        come on top of the cut: an engine passing its verify width in rows cuts no tree whose
+        nodes and leaves fit that width."""
         drafts = [Draft(DraftTree(root), route=route) for root, route in zip(roots, routes)]
         lstm = [b for b, r in enumerate(routes) if r is not None and not r.linear]
         if lstm:

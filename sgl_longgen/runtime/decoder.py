@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import msgspec
 import torch
 
-from ..config import GenerateConfig
+from ..config import AdaptiveConfig, GenerateConfig
 from ..core.adaptive import PLAIN, AdaptiveController
 from ..core.penalty import window_tokens
 from ..core.sampling import LogitsProcessor
@@ -96,6 +96,7 @@ class Decoder(ABC):
     # accepted path's node positions in the last verified trie (the root's 0 first).
     max_nodes: int | None = None
     step_nodes: list[int] | None = None
+    widths: Sequence[int] = ()  # the adaptive widths of this generation (set by generate)
 
     def __init__(self, loaded: LoadedModel, config: GenerateConfig):
         self.loaded = loaded
@@ -156,8 +157,9 @@ class Decoder(ABC):
             self.stats.width_steps[key] = self.stats.width_steps.get(key, 0) + 1
         return new
 
-    def adaptive_config(self):
-        """``[adaptive]`` with the widths this method can cut to (below its largest trie)."""
+    def adaptive_config(self) -> AdaptiveConfig:
+        """``[adaptive]`` with the widths this method can cut to (below its largest trie: a wider
+        one is its whole draft)."""
         adaptive = self.config.adaptive
         widths = [w for w in adaptive.widths if self.full_nodes is not None and w < self.full_nodes]
         return msgspec.structs.replace(adaptive, widths=widths) if widths != adaptive.widths else adaptive
