@@ -226,6 +226,19 @@ class AdaptiveConfig(Strict):
     included, stay reproducible unless it is asked for. In SGLang (a draft directory's
     ``longgen.toml`` or ``SGLANG_LONGGEN_ADAPTIVE=1``) one kind of step per batch, from costs measured
     per batch size and context length; requests override it (see :mod:`sgl_longgen.sglang.adaptive`).
+
+    ``widths``: narrower verify widths a speculative step may take besides the method's whole
+    draft, in trie nodes *including the root*: the method's ``max_nodes``, which cuts its trie to
+    its first nodes in creation order (parents before children, so the cut keeps a path's head:
+    TokenSwift's shallow head levels, then its suffix and n-gram paths; OWL's and LongSpec's
+    shallow beam levels; HOWL's chain to ``width - 1`` tokens). OWL's [SPEC] leaves come on top
+    (a verify of ``2 * width`` rows). Each step then takes the width, or a plain step, expected to
+    give the most tokens per second (see :mod:`sgl_longgen.core.adaptive`); a width at or above the
+    method's largest trie is its whole draft. Positive, without duplicates, sorted on load. Empty
+    (the default): the whole draft only. The reference runtime takes them; SGLang's workers verify
+    at their captured width.
+    ``full_every``: while a narrower width wins, one speculative step in that many takes the whole
+    draft, so the acceptance estimates of the wider widths keep following the text.
     """
 
     enabled: bool = False
@@ -235,10 +248,16 @@ class AdaptiveConfig(Strict):
     probe_growth: Annotated[float, Meta(ge=1.0, le=16.0)] = 4.0
     probe_max: PosInt = 256
     refresh_every: NonNegInt = 64
+    widths: list[PosInt] = msgspec.field(default_factory=list)
+    full_every: PosInt = 16
 
     def __post_init__(self) -> None:
         if self.probe_max < self.probe_every:
             raise ValueError(f"probe_max ({self.probe_max}) must be at least probe_every ({self.probe_every})")
+        if len(set(self.widths)) != len(self.widths):
+            dup = sorted({w for w in self.widths if self.widths.count(w) > 1})
+            raise ValueError(f"widths lists {dup[0]} more than once")
+        self.widths = sorted(self.widths)
 
 
 class RuntimeConfig(Strict):

@@ -33,6 +33,26 @@ decoding; sampled output has the plain law, but the mix of steps depends on meas
 different mix consumes the random stream differently: with adaptive speculation on, one seed no
 longer pins one sample (turn it off to reproduce a sampled run exactly).
 
+Draft widths (``widths``): a verify's cost grows with its width, and when only a tree's first
+nodes get accepted a narrower tree commits almost as many tokens for less. With candidate widths
+configured, a speculative step may also verify the method's trie cut to its first ``W`` nodes
+(the method's ``max_nodes``; the full draft is width ``None``). Per width the controller keeps
+the decayed mean of what a step *at that width* commits, and the step takes the width (or a
+plain step) with the most expected tokens per second, each width priced by its own measured
+cost. A trie's nodes come parents first, so its cut to ``W`` nodes holds, of the path a verified
+step accepted, exactly the nodes at positions ``< W``: one verified step gives every width up to
+the verified one a sample, ``committed(W) = 1 + accepted nodes at positions < W``. That sample
+is counterfactual: exact for greedy decoding (the walk would have drawn the same tokens), an
+approximation when sampling (the draws past the cut would differ) and when a method routes by
+its width (HOWL scores its chain as cut). It needs no more than that: the estimates only choose
+the next step's width, and any choice made from past steps alone is lossless by the argument
+above (a narrower trie is just another draft). A width whose cost is not measured yet counts
+as paying and is tried once its acceptance is known: one step per width (per cost bucket in an
+engine), after which it is priced like the others. While a narrower width wins, one speculative
+step in ``full_every`` and every probe take the full draft, so every width's estimate keeps
+getting samples (and a width's cost is re-measured whenever it is taken: one measured at a
+shorter context looks cheap, gets taken, and is priced again).
+
 A batch takes one kind of step (:func:`decide_batch`): the controllers of its requests share
 the costs of the batch's shape (:class:`CostTable`: measured per batch size and context length,
 which is what a step's price depends on) and the batch speculates when the requests' expected
@@ -47,6 +67,7 @@ measured, so tests drive it with synthetic costs and acceptances.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from ..config import AdaptiveConfig
 
@@ -100,13 +121,34 @@ class RecentMedian:
 
 
 class StepCosts:
-    """Measured seconds of a speculative and of a plain step of one shape (recent medians)."""
+    """Measured seconds of a speculative and of a plain step of one shape (recent medians).
 
-    __slots__ = ("spec", "plain")
+    ``spec`` prices a speculative step over the full draft; ``narrow[W]`` one over the draft cut
+    to ``W`` nodes (adaptive widths).
+    """
+
+    __slots__ = ("narrow", "plain", "spec")
 
     def __init__(self, decay: float | None = None):
         self.spec = RecentMedian()
         self.plain = RecentMedian()
+        self.narrow: dict[int, RecentMedian] = {}
+
+    def at(self, width: int | None) -> RecentMedian:
+        """The costs of speculative steps at ``width`` (None: the full draft), to record into."""
+        if width is None:
+            return self.spec
+        median = self.narrow.get(width)
+        if median is None:
+            median = self.narrow[width] = RecentMedian()
+        return median
+
+    def cost(self, width: int | None) -> float | None:
+        """The measured seconds of a speculative step at ``width`` (None: not measured yet)."""
+        if width is None:
+            return self.spec.value
+        median = self.narrow.get(width)
+        return None if median is None else median.value
 
 
 def context_bucket(context: int) -> int:
@@ -151,6 +193,10 @@ class AdaptiveController:
     source: per-source means are kept in :attr:`by_source` for diagnostics) or :meth:`record_plain`.
     An engine running batches passes each step's shared :class:`StepCosts` to :meth:`decide` and
     records the step's seconds there itself (``seconds=None`` here).
+
+    With ``config.widths``, a speculative :meth:`decide` also sets :attr:`width` (the ``max_nodes``
+    to draft with, None: the full draft) and :meth:`record_spec` takes the width the step verified
+    and the accepted path's node positions (``Verdict.nodes``, the root's 0 first).
     """
 
     def __init__(self, config: AdaptiveConfig, costs: StepCosts | None = None):
@@ -165,6 +211,14 @@ class AdaptiveController:
         self.since_spec = 0  # plain steps since the last speculative step
         self.since_plain = 0  # speculative steps since the last plain step
         self._probing = False
+        # Adaptive widths: the candidates narrower than the full draft (None), ascending.
+        self.widths: list[int] = list(config.widths)
+        self.at_width: dict[int | None, DecayedMean] = (
+            {w: DecayedMean(config.decay) for w in [*self.widths, None]} if self.widths else {})
+        self.width_steps: dict[int | None, int] = {}  # speculative steps taken at each width
+        self.width: int | None = None  # the width the last decide() chose
+        self.since_full = 0  # speculative steps since the last one over the full draft
+        self._forced = False  # the last decide()'s width was not a free choice (warm-up, probe, ...)
 
     # -- the decision --------------------------------------------------------------------------
 
@@ -181,18 +235,72 @@ class AdaptiveController:
         """The last :meth:`decide` asked for a probe (a speculative step although plain steps win)."""
         return self._probing
 
+    @property
+    def forced_width(self) -> bool:
+        """The last :meth:`decide`'s width was due rather than the best one (warm-up, a probe, a
+        full-draft refresh, a width's first measurement): a batch serves it (:func:`batch_width`)."""
+        return self._forced
+
     def expected(self) -> float | None:
         """Tokens a speculative step is expected to commit (None: no evidence yet)."""
         return self.committed.value
 
+    def expected_at(self, width: int | None) -> float | None:
+        """Tokens a speculative step at ``width`` is expected to commit (None: no evidence yet;
+        without configured widths, :meth:`expected`)."""
+        if not self.widths:
+            return self.committed.value
+        mean = self.at_width.get(width)
+        return None if mean is None else mean.value
+
     def worth(self, costs: StepCosts | None = None) -> bool:
         """Speculating is expected to give at least as many tokens per second as plain steps
-        (True while either side has no data: optimistic)."""
+        (True while either side has no data: optimistic). With widths: at some width, a width
+        whose cost is not measured yet counting as paying (it is tried, then priced)."""
         costs = costs or self.costs
+        if self.widths:
+            return self._worth_at_some_width(costs)
         mean, spec, plain = self.committed.value, costs.spec.value, costs.plain.value
         if mean is None or spec is None or plain is None:
             return True
         return mean * plain >= spec  # mean / spec >= 1 / plain, without dividing by a zero cost
+
+    def _worth_at_some_width(self, costs: StepCosts) -> bool:
+        plain = costs.plain.value
+        if self.at_width[None].value is None or costs.spec.value is None or plain is None:
+            return True
+        for width, mean in self.at_width.items():
+            e, cost = mean.value, costs.cost(width)
+            if e is not None and (cost is None or e * plain >= cost):
+                return True
+        return False
+
+    def best_width(self, costs: StepCosts | None = None) -> int | None:
+        """The width with the most expected tokens per second among those measured (None: the full
+        draft; ties go to the wider one, whose step also samples the narrower widths)."""
+        costs = costs or self.costs
+        best, best_e, best_cost = None, self.at_width[None].value, costs.spec.value
+        if best_e is None or best_cost is None:
+            return None
+        for width in reversed(self.widths):
+            e, cost = self.at_width[width].value, costs.cost(width)
+            if e is not None and cost is not None and e * best_cost > best_e * cost:
+                best, best_e, best_cost = width, e, cost
+        return best
+
+    def _choose_width(self, costs: StepCosts) -> tuple[int | None, bool]:
+        """(width, forced) of a speculative step that is taken because speculating pays."""
+        if not self.widths:
+            return None, False
+        if costs.spec.value is None:
+            return None, True  # price the full draft first
+        for width in self.widths:  # a width whose acceptance is known but whose cost is not: try it
+            if self.at_width[width].value is not None and costs.cost(width) is None:
+                return width, True
+        width = self.best_width(costs)
+        if width is not None and self.since_full + 1 >= self.config.full_every:
+            return None, True  # keep the wider widths' estimates fresh
+        return width, False
 
     def decide(self, costs: StepCosts | None = None) -> str:
         """``"speculate"`` or ``"plain"`` for the next step (call once per step; ``costs``: the
@@ -200,17 +308,21 @@ class AdaptiveController:
         cfg = self.config
         costs = costs or self.costs
         self._probing = False
+        self.width, self._forced = None, False  # warm-up and probes: the full draft, due
         if self.spec_steps < cfg.warmup:
+            self._forced = bool(self.widths)
             return SPECULATE
         if costs.plain.value is None:
             return PLAIN  # measure what a plain step costs
         if self.worth(costs):
             if cfg.refresh_every and self.since_plain >= cfg.refresh_every:
                 return PLAIN  # keep the plain cost current while speculating
+            self.width, self._forced = self._choose_width(costs)
             return SPECULATE
         spec = costs.spec.value if costs.spec.value is not None else costs.plain.value
         if self.since_spec * costs.plain.value >= self.interval * spec:
             self._probing = True
+            self._forced = bool(self.widths)
             return SPECULATE
         return PLAIN
 
@@ -234,12 +346,16 @@ class AdaptiveController:
     # -- what the step did ---------------------------------------------------------------------
 
     def record_spec(self, committed: int, seconds: float | None = None, source: str | None = None,
-                    probe: bool | None = None, costs: StepCosts | None = None) -> None:
+                    probe: bool | None = None, costs: StepCosts | None = None, width: int | None = None,
+                    nodes: Sequence[int] | None = None) -> None:
         """A speculative step committed ``committed`` tokens in ``seconds`` (None: the engine
         records the batch's seconds in the shared costs). ``probe``: whether the step was taken as
         a probe (default: what the last :meth:`decide` said; an engine that decides the next step
         before recording this one passes it). ``costs``: the shape's shared costs in an engine,
-        which judge whether a probe paid (a controller's own are empty there)."""
+        which judge whether a probe paid (a controller's own are empty there). ``width``: the
+        ``max_nodes`` the step drafted with (None: the full draft); ``nodes``: the accepted path's
+        node positions in the trie, the root first (then every width up to ``width`` gets its
+        counterfactual sample; without them only ``width`` gets ``committed``)."""
         if probe is not None:
             self._probing = probe
         self._tick()
@@ -249,8 +365,10 @@ class AdaptiveController:
             if mean is None:
                 mean = self.by_source[source] = DecayedMean(self.config.decay)
             mean.add(committed)
+        if self.widths:
+            self._record_width(committed, width, nodes)
         if seconds is not None:
-            self.costs.spec.add(seconds)
+            self.costs.at(width if self.widths else None).add(seconds)
         self.spec_steps += 1
         self.since_spec = 0
         self.since_plain += 1
@@ -263,10 +381,28 @@ class AdaptiveController:
                 self.interval = min(cfg.probe_max, max(self.interval, round(self.interval * cfg.probe_growth)))
             self._probing = False
 
+    def _record_width(self, committed: int, width: int | None, nodes: Sequence[int] | None) -> None:
+        """Per-width samples of one step verified at ``width``: the widths it covers get what their
+        cut of the trie would have committed (the accepted nodes before the cut, the bonus)."""
+        self.width_steps[width] = self.width_steps.get(width, 0) + 1
+        self.since_full = 0 if width is None else self.since_full + 1
+        mean = self.at_width.get(width)
+        if nodes is None:
+            if mean is not None:
+                mean.add(committed)
+            return
+        if width is None:
+            self.at_width[None].add(committed)
+        for w in self.widths:
+            if width is None or w <= width:
+                self.at_width[w].add(sum(1 for n in nodes if n < w))  # the root (0) is the bonus's slot
+
     def _tick(self) -> None:
         """One more step (of either kind): older acceptance evidence weighs less."""
         self.committed.tick()
         for mean in self.by_source.values():
+            mean.tick()
+        for mean in self.at_width.values():
             mean.tick()
 
     def record_plain(self, seconds: float | None = None) -> None:
@@ -288,7 +424,8 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tup
     step of the batch commits the sum of their expectations (an unknown one counts as paying
     for itself) where a plain step commits one token each, so the batch speculates iff
     ``sum(E_i) / spec_cost >= n / plain_cost``; a request's due probe or warm-up is served when
-    that holds and deferred otherwise.
+    that holds and deferred otherwise. With widths, iff that holds at some measured width (each
+    width's expectations over its own cost); :func:`batch_width` then picks the width.
     """
     kinds = [c.decide(costs) for c in controllers]
     if all(k == kinds[0] for k in kinds):
@@ -297,6 +434,11 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tup
         spec, plain = costs.spec.value, costs.plain.value
         if spec is None or plain is None:
             kind = SPECULATE if plain is not None else PLAIN
+        elif controllers[0].widths:
+            n = len(controllers)
+            pays = any(_batch_expected(controllers, w, cost, plain) * plain >= n * cost
+                       for w, cost in _measured_widths(controllers[0], costs))
+            kind = SPECULATE if pays else PLAIN
         else:
             expected = 0.0
             for c in controllers:
@@ -305,3 +447,50 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tup
             kind = SPECULATE if expected * plain >= len(controllers) * spec else PLAIN
     probes = [kind == SPECULATE and c.probing for c in controllers]
     return kind, probes
+
+
+def batch_width(controllers: list[AdaptiveController], costs: StepCosts) -> int | None:
+    """One draft width for a batch that speculates (:func:`decide_batch`): None, the full draft,
+    without configured widths.
+
+    A request whose width is due (warm-up, a probe, a full-draft refresh, a width's first
+    measurement) gets it, widened to the widest such request (a wider step also samples every
+    narrower width, so no request's estimates go stale). Otherwise the width with the most
+    expected tokens per second for the batch together: the sum of the requests' expectations at
+    that width (an unknown one counting as paying for itself) over the width's cost for this
+    batch shape (ties: the wider). Lossless for the reason a single request's choice is: only
+    past steps decide.
+    """
+    if not controllers or not controllers[0].widths:
+        return None
+    due = [c.width for c in controllers if c.forced_width]
+    if due:
+        return None if None in due else max(due)
+    plain = costs.plain.value
+    best, best_expected, best_cost = None, None, None
+    for width, cost in _measured_widths(controllers[0], costs):
+        expected = _batch_expected(controllers, width, cost, plain)
+        if best_expected is None or expected * best_cost > best_expected * cost:
+            best, best_expected, best_cost = width, expected, cost
+    return best
+
+
+def _measured_widths(controller: AdaptiveController, costs: StepCosts) -> list[tuple[int | None, float]]:
+    """(width, cost) of the widths with a measured cost, the full draft first, then narrowing."""
+    out = []
+    for width in [None, *reversed(controller.widths)]:
+        cost = costs.cost(width)
+        if cost is not None:
+            out.append((width, cost))
+    return out
+
+
+def _batch_expected(controllers: list[AdaptiveController], width: int | None, cost: float,
+                    plain: float | None) -> float:
+    """The batch's expected tokens at ``width``; a request with no estimate there counts as paying
+    for the step (``cost / plain``, or one token while the plain cost is unknown)."""
+    total = 0.0
+    for c in controllers:
+        e = c.expected_at(width)
+        total += e if e is not None else (cost / plain if plain else 1.0)
+    return total

@@ -68,7 +68,7 @@ from ..errors import LonggenError
 from .nn import RMSNorm
 from .draft_vocab import DraftVocabulary, check_token_map_file, token_map_problem
 from .owl import DraftBeam
-from .tree import DraftTree, Source
+from .tree import DraftTree, Source, add_beam
 from .weights import (
     check_shapes,
     expected_shapes,
@@ -827,12 +827,11 @@ def select_nodes_batched(scores: torch.Tensor, tokens: torch.Tensor, parents: to
     return DraftBeam(tokens.gather(1, sel), new_par, depths[sel], scores.gather(1, sel)), broken
 
 
-def beam_tree(beam: DraftBeam, root: int, row: int = 0) -> DraftTree:
-    """Row ``row`` of a beam as a trie; draft node i becomes tree node i + 1, tagged ``Source.LONGSPEC``."""
-    tree = DraftTree(root)
-    ids: list[int] = []
-    for tok, par in zip(beam.tokens[row].tolist(), beam.parents[row].tolist()):
-        if par >= len(ids):
-            raise ValueError(f"draft node {len(ids)} comes before its parent {par}")
-        ids.append(tree.add_child(0 if par < 0 else ids[par], tok, Source.LONGSPEC))
-    return tree
+def beam_tree(beam: DraftBeam, root: int, row: int = 0, max_nodes: int | None = None) -> DraftTree:
+    """Row ``row`` of a beam as a trie; draft node i becomes tree node i + 1, tagged ``Source.LONGSPEC``.
+
+    ``max_nodes``: the trie cut to its first that many nodes (the root included), in creation
+    order (the beam's shallow levels first, closed under ancestors).
+    """
+    return add_beam(DraftTree(root), beam.tokens[row].tolist(), beam.parents[row].tolist(), Source.LONGSPEC,
+                    max_nodes, row)

@@ -55,7 +55,7 @@ from torch import nn
 
 from ..errors import LonggenError
 from .draft_vocab import DraftVocabulary, check_token_map_file
-from .tree import DraftTree, Source
+from .tree import DraftTree, Source, add_beam
 from .weights import check_shapes, expected_shapes, header_shapes, read_config, read_weights
 
 logger = logging.getLogger(__name__)
@@ -480,20 +480,15 @@ class GraphedExpand:
         return DraftBeam(*(t.clone() for t in out))
 
 
-def beam_trees(beam: DraftBeam, roots: Sequence[int] | torch.Tensor) -> list[DraftTree]:
-    """One trie per request; draft node i of row b becomes tree node i + 1, tagged ``Source.LSTM``."""
+def beam_trees(beam: DraftBeam, roots: Sequence[int] | torch.Tensor, max_nodes: int | None = None) -> list[DraftTree]:
+    """One trie per request; draft node i of row b becomes tree node i + 1, tagged ``Source.LSTM``.
+
+    ``max_nodes``: each trie cut to its first that many nodes (the root included), in creation
+    order: the beam's shallow levels, every kept node's ancestors with it.
+    """
     roots = torch.as_tensor(roots).reshape(-1).tolist()
     tokens, parents = beam.tokens.tolist(), beam.parents.tolist()
-    trees = []
-    for b, root in enumerate(roots):
-        tree = DraftTree(root)
-        ids: list[int] = []
-        for tok, par in zip(tokens[b], parents[b]):
-            if par >= len(ids):
-                raise ValueError(f"draft node {len(ids)} of request {b} comes before its parent {par}")
-            ids.append(tree.add_child(0 if par < 0 else ids[par], tok, Source.LSTM))
-        trees.append(tree)
-    return trees
+    return [add_beam(DraftTree(root), tokens[b], parents[b], Source.LSTM, max_nodes, b) for b, root in enumerate(roots)]
 
 
 def propose(

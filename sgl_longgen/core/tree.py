@@ -198,6 +198,22 @@ class DraftTree:
         return torch.tensor(self.tokens, dtype=torch.long, device=device)
 
 
+def add_beam(tree: DraftTree, tokens: Sequence[int], parents: Sequence[int], source: Source,
+             max_nodes: int | None = None, row: int = 0) -> DraftTree:
+    """A beam's nodes (``parents[i]``: an earlier node's index, or -1 for the root's children)
+    into ``tree``, stopping new nodes at ``max_nodes`` (a cut node's descendants go with it)."""
+    ids: list[int | None] = []
+    for tok, par in zip(tokens, parents):
+        if par >= len(ids):
+            raise ValueError(f"draft node {len(ids)} of request {row} comes before its parent {par}")
+        parent = 0 if par < 0 else ids[par]
+        if parent is None or (max_nodes is not None and len(tree) >= max_nodes and tree.child(parent, tok) is None):
+            ids.append(None)
+            continue
+        ids.append(tree.add_child(parent, tok, source))
+    return tree
+
+
 def bits_to_rows(bits: Sequence[int], size: int, out: np.ndarray | None = None) -> np.ndarray:
     """``out[i, j]`` = bit j of ``bits[i]``, ``[size, size]`` booleans (rows past ``bits``: False)."""
     if out is None:

@@ -65,14 +65,15 @@ class LongSpec:
         return Feed(list(history[start:]), start)
 
     def propose(self, rids: Sequence[Hashable], states: Sequence[LongSpecState],
-                histories: Sequence[Sequence[int]]) -> list[Draft]:
-        """One trie per request from one batched beam; the rings then hold every history token."""
+                histories: Sequence[Sequence[int]], max_nodes: int | None = None) -> list[Draft]:
+        """One trie per request from one batched beam; the rings then hold every history token.
+        ``max_nodes``: each trie cut to its first that many nodes (the root included)."""
         feeds = [self.feed(s, h) for s, h in zip(states, histories)]
         beam = self.expand(rids, [f.tokens for f in feeds], [f.start for f in feeds])
         drafts = []
         for b, (state, history) in enumerate(zip(states, histories)):
             state.fed = len(history)
-            tree = beam_tree(beam, history[-1], b)
+            tree = beam_tree(beam, history[-1], b, max_nodes)
             drafts.append(Draft(tree, depth=tree.max_depth))
         return drafts
 

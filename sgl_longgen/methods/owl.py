@@ -82,7 +82,11 @@ class Owl:
 
     def propose(self, rids: Sequence[Hashable], states: Sequence[OwlState], roots: Sequence[int],
                 routes: Sequence[Route | None], max_nodes: int | None = None) -> list[Draft]:
-        """One draft per request; the tree rounds of the batch share one beam."""
+        """One draft per request; the tree rounds of the batch share one beam. ``max_nodes``: each
+        trie cut to its first that many nodes, the root included (a tree round keeps its beam's
+        shallow levels, a linear round its chain's first ``max_nodes - 1`` tokens). [SPEC] leaves
+        come on top of the cut: an engine passing its verify width in rows cuts no tree whose
+        nodes and leaves fit that width."""
         drafts = [Draft(DraftTree(root), route=route) for root, route in zip(roots, routes)]
         lstm = [b for b, r in enumerate(routes) if r is not None and not r.linear]
         if lstm:
@@ -94,7 +98,7 @@ class Owl:
                                       for b, use in zip(lstm, has_spec)])
             lstm_roots = [roots[b] for b in lstm]
             beam = self.expand(h_last, lstm_roots, h_spec, has_spec)
-            for b, tree in zip(lstm, beam_trees(beam, lstm_roots)):
+            for b, tree in zip(lstm, beam_trees(beam, lstm_roots, max_nodes)):
                 drafts[b].tree = tree
         for b, (rid, draft, route) in enumerate(zip(rids, drafts, routes)):
             if route is None:

@@ -8,6 +8,10 @@ Adaptive speculation (``[adaptive]``, :mod:`sgl_longgen.core.adaptive`) lives he
 each step of a speculative method the controller picks the method's step or a plain one
 (:meth:`Decoder.plain_step`, the step of ``--method ar``), fed with the measured wall time of
 each. A method keeps its state consistent after a plain step in :meth:`Decoder.after_plain_step`.
+With ``[adaptive] widths`` the controller also picks the step's draft width: the method drafts
+with :attr:`Decoder.max_nodes` for that step (its trie cut to its first nodes) and reports the
+accepted path's node positions in :attr:`Decoder.step_nodes`, from which the controller learns
+what every narrower width would have committed.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import msgspec
 import torch
 
-from ..config import GenerateConfig
+from ..config import AdaptiveConfig, GenerateConfig
 from ..core.adaptive import PLAIN, AdaptiveController
 from ..core.penalty import window_tokens
 from ..core.sampling import LogitsProcessor
@@ -36,6 +41,8 @@ class Stats:
 
     steps: int = 0
     plain_steps: int = 0  # steps a speculative method took as plain decode steps (adaptive speculation)
+    # Speculative steps per draft width ("full": the whole draft), with adaptive widths only.
+    width_steps: dict[str, int] = field(default_factory=dict)
     accepted: int = 0  # accepted draft tokens (bonus excluded)
     drafted: int = 0  # draft depth offered per step, summed (TokenSwift Eq. 4's gamma * T)
     ngram_steps: int = 0  # steps whose accepted path went past the head tree along the history (n-gram, suffix)
@@ -82,6 +89,14 @@ class Decoder(ABC):
     speculative = True
     # The kind of draft the last speculative step verified, for the controller's per-source means.
     step_source: str | None = None
+    # The most trie nodes (the root included) this method drafts: wider adaptive widths are its
+    # whole draft. None: the method drafts no trie (plain decoding).
+    full_nodes: int | None = None
+    # The draft width of the coming step (its ``max_nodes``; None: the whole draft) and the
+    # accepted path's node positions in the last verified trie (the root's 0 first).
+    max_nodes: int | None = None
+    step_nodes: list[int] | None = None
+    widths: Sequence[int] = ()  # the adaptive widths of this generation (set by generate)
 
     def __init__(self, loaded: LoadedModel, config: GenerateConfig):
         self.loaded = loaded
@@ -119,17 +134,35 @@ class Decoder(ABC):
         return [tok]
 
     def adaptive_step(self, controller: AdaptiveController) -> list[int]:
-        """The step the controller picks, timed and reported back to it."""
+        """The step the controller picks (with its draft width), timed and reported back to it."""
         if controller.decide() == PLAIN:
             t = time.perf_counter()
             new = self.plain_step()
             controller.record_plain(time.perf_counter() - t)
             self.stats.plain_steps += 1
-        else:
+        elif not self.widths:
             t = time.perf_counter()
             new = self.step()
             controller.record_spec(len(new), time.perf_counter() - t, self.step_source)
+        else:
+            self.max_nodes = width = controller.width
+            try:
+                t = time.perf_counter()
+                new = self.step()
+                seconds = time.perf_counter() - t
+            finally:
+                self.max_nodes = None
+            controller.record_spec(len(new), seconds, self.step_source, width=width, nodes=self.step_nodes)
+            key = "full" if width is None else str(width)
+            self.stats.width_steps[key] = self.stats.width_steps.get(key, 0) + 1
         return new
+
+    def adaptive_config(self) -> AdaptiveConfig:
+        """``[adaptive]`` with the widths this method can cut to (below its largest trie: a wider
+        one is its whole draft)."""
+        adaptive = self.config.adaptive
+        widths = [w for w in adaptive.widths if self.full_nodes is not None and w < self.full_nodes]
+        return msgspec.structs.replace(adaptive, widths=widths) if widths != adaptive.widths else adaptive
 
     # -- shared machinery ----------------------------------------------------------------------
 
@@ -158,7 +191,8 @@ class Decoder(ABC):
         self.check_prompt(prompt_ids, max_new_tokens)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.stats = Stats()
-        adaptive = self.config.adaptive
+        adaptive = self.adaptive_config()
+        self.widths = adaptive.widths
         self.controller = AdaptiveController(adaptive) if self.speculative and adaptive.enabled else None
         P = len(prompt_ids)
         eos = set() if self.config.ignore_eos else set(self.loaded.eos_ids)

@@ -52,7 +52,7 @@ class LongSpecDecoder(Decoder):
                                   self.model.device)
         self.method = LongSpec(c, self._expand, drafter.window)
         self.head = draft_head(self.drafter, self.model.lm_head.weight, self.model.lm_head)
-        self.slack = verify_width(c.widths, c.tree_size)
+        self.slack = self.full_nodes = verify_width(c.widths, c.tree_size)
 
     def _expand(self, rids, pending, starts):
         (tokens,), (start,) = pending, starts  # batch 1
@@ -76,6 +76,7 @@ class LongSpecDecoder(Decoder):
         verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
         self.cache.keep(L, verdict.nodes)
         self.length = L + len(verdict.nodes)
+        self.step_nodes = verdict.nodes
         s = self.stats
         s.accepted += verdict.accepted
         s.verify_tokens += len(tree)
@@ -84,7 +85,7 @@ class LongSpecDecoder(Decoder):
 
     def step(self) -> list[int]:
         t = time.perf_counter()
-        (draft,) = self.method.propose([RID], [self.state], [self.history])
+        (draft,) = self.method.propose([RID], [self.state], [self.history], self.max_nodes)
         t_draft = time.perf_counter()
         verdict = self.verify(draft)
         self.method.observe(self.state, len(self.history) + len(verdict.tokens))

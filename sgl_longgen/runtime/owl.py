@@ -50,6 +50,7 @@ class OwlDecoder(Decoder):
                                    spec_id)
         self.spec_rows = self.drafter.spec_embedding.detach()[None] if drafter.spec else None
         self.slack = verify_width(o.tree_size, o.spec)
+        self.full_nodes = o.tree_size + 1
 
     def _method(self, config: GenerateConfig, beam, spec_id: int) -> Owl:
         return Owl(config.owl, beam, spec_id)
@@ -104,6 +105,7 @@ class OwlDecoder(Decoder):
                               self.generator)
         self.cache.keep(L, verdict.nodes)  # drops every [SPEC] slot with the rejected nodes
         self.length = L + len(verdict.nodes)
+        self.step_nodes = verdict.nodes
         last = verdict.nodes[-1]
         norm = self.model.model.norm
         self.method.observe(self.state, RID, draft, verdict, norm(h[last]), norm(h[leaves[last]]) if leaves else None)
@@ -132,8 +134,9 @@ class OwlDecoder(Decoder):
         t = time.perf_counter()
         if self._plain_tokens:
             self._catch_up()
-        route = self.method.route(self.state, RID, self.history)
-        (draft,) = self.method.propose([RID], [self.state], [self.history[-1]], [route])
+        width = self.max_nodes
+        route = self.method.route(self.state, RID, self.history, None if width is None else width - 1)
+        (draft,) = self.method.propose([RID], [self.state], [self.history[-1]], [route], width)
         t_draft = time.perf_counter()
         verdict = self.verify(draft)
         self.stats.draft_seconds += t_draft - t
@@ -152,6 +155,7 @@ class HowlDecoder(OwlDecoder):
     def __init__(self, loaded: LoadedModel, config: GenerateConfig, drafter: OwlDrafter):
         super().__init__(loaded, config, drafter)
         self.slack = max(self.slack, 1 + config.suffix.max_spec_tokens)
+        self.full_nodes = max(self.full_nodes, 1 + config.suffix.max_spec_tokens)
 
     def _method(self, config: GenerateConfig, beam, spec_id: int) -> Howl:
         return Howl(config.owl, beam, spec_id, config.suffix, config.howl)

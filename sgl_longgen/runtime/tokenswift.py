@@ -52,7 +52,7 @@ class TokenSwiftDecoder(Decoder):
             tree_nodes += width
         ngram_nodes = ts.ngram.top_k * ts.ngram.n if ts.ngram.enabled else 0
         suffix_nodes = config.suffix.max_spec_tokens if ts.suffix else 0
-        self.slack = tree_nodes + ngram_nodes + suffix_nodes
+        self.slack = self.full_nodes = tree_nodes + ngram_nodes + suffix_nodes
 
     def after_prefill(self) -> None:
         self.state = self.method.start(self.length)
@@ -78,7 +78,8 @@ class TokenSwiftDecoder(Decoder):
                                       self.method.config.num_heads, vocab, candidate_count(self.method.config.tree, vocab))
         self.method.index(self.state, self.history, self.sampling)
         window = self.method.penalty_window(self.history, self.sampling)
-        return self.method.propose(self.state, root, values[0].tolist(), ids[0].tolist(), self.sampling, window)
+        return self.method.propose(self.state, root, values[0].tolist(), ids[0].tolist(), self.sampling, window,
+                                   self.max_nodes)
 
     def step(self) -> list[int]:
         dev = self.model.device
@@ -98,6 +99,7 @@ class TokenSwiftDecoder(Decoder):
         verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
         self.cache.keep(L, verdict.nodes)
         self.length = L + len(verdict.nodes)
+        self.step_nodes = verdict.nodes
         self.method.observe(self.state, self.length)
 
         s = self.stats

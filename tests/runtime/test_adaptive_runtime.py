@@ -3,7 +3,8 @@ speed when drafts never match, speculation where they do.
 
 The mix of the real controller depends on measured wall times; the lossless tests also force
 fixed mixes (a scripted controller), so every transition (speculative after plain, plain after
-speculative, runs of each) is exercised deterministically.
+speculative, runs of each) is exercised deterministically. With ``[adaptive] widths`` the mixes
+also hold speculative steps over tries cut to a few nodes (every method), greedy and sampled.
 """
 
 from __future__ import annotations
@@ -29,16 +30,24 @@ NEW_TOKENS = 200
 
 
 class Scripted:
-    """A controller that follows a fixed pattern (``"S"``: speculate, ``"P"``: plain), cyclically."""
+    """A controller that follows a fixed pattern (``"S"``: speculate, ``"P"``: plain, a digit:
+    speculate with the draft cut to that many nodes), cyclically. ``paths``: (width, accepted
+    node positions) of the speculative steps the runtime reported them for."""
 
     def __init__(self, pattern: str):
-        self.kinds = itertools.cycle([SPECULATE if c == "S" else PLAIN for c in pattern])
+        self.steps = itertools.cycle(pattern)
+        self.width: int | None = None
+        self.paths: list[tuple[int | None, list[int]]] = []
 
     def decide(self) -> str:
-        return next(self.kinds)
+        c = next(self.steps)
+        self.width = int(c) if c.isdigit() else None
+        return PLAIN if c == "P" else SPECULATE
 
-    def record_spec(self, committed, seconds, source=None) -> None:
-        pass
+    def record_spec(self, committed, seconds, source=None, width=None, nodes=None) -> None:
+        if nodes is not None:
+            assert width == self.width and committed == len(nodes)
+            self.paths.append((width, list(nodes)))
 
     def record_plain(self, seconds) -> None:
         pass
@@ -90,6 +99,70 @@ def test_greedy_output_is_plain_decoding_whatever_the_mix_of_steps(scripted, met
         assert s.plain_steps == pytest.approx(s.steps * mix.count("P") / len(mix), abs=len(mix))
         accepted += s.accepted
     assert accepted > 0  # speculative steps after plain ones still get drafts accepted
+
+
+WIDTH_MIXES = ["2S4", "S8P2", "4P3S8"]
+WIDTH_CASES = [CASES[0], CASES[1], CASES[3], CASES[5]]
+
+
+@pytest.mark.parametrize("method,name,penalty,window,extra", WIDTH_CASES)
+def test_greedy_output_is_plain_decoding_at_every_draft_width(monkeypatch, method, name, penalty, window, extra):
+    """Steps whose tries are cut to 2 to 8 nodes, mixed with full drafts and plain steps: the
+    output is plain decoding's, each step's width is counted, and the accepted paths the runtime
+    reports lie inside the cut."""
+    cfg = adaptive(method, sampling__penalty=penalty, sampling__penalty_window=window, adaptive__widths=[2, 3, 4, 8],
+                   **extra)
+    drafter = owl_drafter(name) if method != "tokenswift" else None
+    expected = ar_output(name, penalty, window, NEW_TOKENS)
+    narrow_accepted = 0
+    for mix in WIDTH_MIXES:
+        ctrl = Scripted(mix)
+        monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c, ctrl=ctrl: ctrl)
+        result = build_decoder(model(name), cfg, drafter_dir=drafter).generate(PROMPT, NEW_TOKENS)
+        assert result.error is None and tuple(result.output_ids) == expected, mix
+        s = result.stats
+        assert sum(s.width_steps.values()) == s.steps - s.plain_steps
+        for c in set(mix) - {"P"}:
+            key = "full" if c == "S" else c
+            assert s.width_steps[key] == pytest.approx(s.steps * mix.count(c) / len(mix), abs=len(mix)), (mix, c)
+        assert result.record()["stats"]["width_steps"] == s.width_steps
+        assert len(ctrl.paths) == s.steps - s.plain_steps
+        for width, nodes in ctrl.paths:
+            assert nodes[0] == 0 and nodes == sorted(nodes) and (width is None or nodes[-1] < width)
+            if width is not None:
+                narrow_accepted += len(nodes) - 1
+    assert narrow_accepted > 0  # the cut tries still got drafts accepted
+
+
+def test_longspec_beams_cut_to_a_width_stay_lossless(monkeypatch):
+    # The drafter fitted to this prompt's continuation.
+    from test_longspec_lossless import fitted
+
+    ctrl = Scripted("2S4P8")
+    monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c: ctrl)
+    cfg = adaptive("longspec", adaptive__widths=[2, 4, 8])
+    result = build_decoder(model("tiny-random"), cfg, longspec_dir=fitted("tiny-random")).generate(PROMPT, NEW_TOKENS)
+    assert tuple(result.output_ids) == ar_output("tiny-random", 1.0, 1024, NEW_TOKENS)
+    assert set(result.stats.width_steps) == {"2", "4", "8", "full"}
+    assert all(width is None or nodes[-1] < width for width, nodes in ctrl.paths)
+    assert sum(len(nodes) - 1 for width, nodes in ctrl.paths if width is not None) > 0
+
+
+@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
+def test_greedy_output_with_the_real_controller_choosing_widths(method):
+    name = "tiny-random"
+    drafter = owl_drafter(name) if method != "tokenswift" else None
+    dec = build_decoder(model(name), adaptive(method, adaptive__widths=[2, 4, 8]), drafter_dir=drafter)
+    result = dec.generate(PROMPT, NEW_TOKENS)
+    assert tuple(result.output_ids) == ar_output(name, 1.0, 1024, NEW_TOKENS)
+    s = result.stats
+    assert sum(s.width_steps.values()) == s.steps - s.plain_steps
+    assert {"2", "4", "8"} <= set(s.width_steps)  # every width measured (each one's first try at least)
+    assert {k: v for k, v in dec.controller.width_steps.items()} == {
+        (None if k == "full" else int(k)): v for k, v in s.width_steps.items()}
+    # Widths at or above the method's largest trie are its full draft: not candidates.
+    wide = build_decoder(model(name), adaptive(method, adaptive__widths=[2, 10_000]), drafter_dir=drafter)
+    assert wide.generate(PROMPT, 20).error is None and wide.controller.widths == [2]
 
 
 @pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
@@ -198,12 +271,22 @@ def test_sampled_mixes_follow_the_exact_distribution(monkeypatch, method):
         cls = OwlDecoder
         cfg = adaptive("owl", owl__top_k=3, owl__depth=3, owl__tree_size=6)
     lm, draft = base.micro()
-    cfg = msgspec.structs.replace(cfg, sampling=base.SAMPLING)
-    mixes = itertools.cycle(["SS", "SP", "PS", "PP"])
-    monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c: Scripted(next(mixes)))
+    cfg = msgspec.structs.replace(cfg, sampling=base.SAMPLING,
+                                  adaptive=msgspec.structs.replace(cfg.adaptive, widths=[2, 3]))
+    # Speculative steps over the full draft ("S") and over its first 2 or 3 nodes.
+    controllers = []
+    mixes = itertools.cycle(["SS", "SP", "PS", "PP", "2S", "S3", "3P", "23"])
+
+    def scripted(c):
+        controllers.append(Scripted(next(mixes)))
+        return controllers[-1]
+
+    monkeypatch.setattr(decoder_module, "AdaptiveController", scripted)
     runs = 2000
     counts, accepted = pair_counts(cls, lm, draft, cfg, runs)
     assert accepted > runs // 8  # the speculative steps among the mixes had drafts accepted
+    narrow = [len(nodes) - 1 for c in controllers for width, nodes in c.paths if width is not None]
+    assert len(narrow) >= runs // 4 and sum(narrow) > 0  # the cut tries were verified and accepted drafts
     expected = base.exact_pair_distribution(lm).ravel() * runs
     keep = expected > 0
     assert counts.ravel()[~keep].sum() == 0
