@@ -236,7 +236,7 @@ class AdaptiveConfig(Strict):
     give the most tokens per second (see :mod:`sgl_longgen.core.adaptive`); a width at or above the
     method's largest trie is its whole draft. Positive, without duplicates, sorted on load. Empty
     (the default): the whole draft only. The reference runtime takes them; SGLang's workers verify
-    at their captured width.
+    at their captured width, and refuse a draft directory that sets them.
     ``full_every``: while a narrower width wins, one speculative step in that many takes the whole
     draft, so the acceptance estimates of the wider widths keep following the text.
     """

@@ -46,7 +46,11 @@ def read_defaults(path: Path) -> GenerateConfig:
     f = path / DEFAULTS_FILE
     if not f.is_file():
         return GenerateConfig()
-    return convert(load_toml(f), GenerateConfig, str(f))
+    defaults = convert(load_toml(f), GenerateConfig, str(f))
+    if defaults.adaptive.widths:
+        raise LonggenError(f"{f}: [adaptive] widths = {defaults.adaptive.widths} is a reference-runtime option; in "
+                           "SGLang a verify's width is the CUDA-graph shape the engine captured, so leave it out")
+    return defaults
 
 
 def _require(path: str | Path | None, algorithm: str, files: str) -> Path:
