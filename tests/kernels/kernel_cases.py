@@ -74,6 +74,14 @@ def nan_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
     return torch.full(x.shape, float("nan"), dtype=dtype or x.dtype, device=x.device)
 
 
+def run_attention(attn, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn.run`` on ``batch`` into NaN-filled fp32 outputs (a row it leaves unwritten shows up)."""
+    out = nan_like(batch.q, torch.float32)
+    lse = nan_like(batch.q[..., 0], torch.float32)
+    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    return out, lse
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max abs difference; NaN anywhere counts as infinite. ``-inf`` entries must match exactly."""
     a, b = a.float(), b.float()

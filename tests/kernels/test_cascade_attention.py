@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import DEVICE, TOL, make_batch, make_shared_batch, max_err, nan_like, with_own_slots
+from kernel_cases import DEVICE, TOL, make_batch, make_shared_batch, max_err, nan_like, run_attention, with_own_slots
 from sgl_longgen.kernels import fa3_prefix, hybrid
 from sgl_longgen.kernels.hybrid import HybridTreeAttention, hybrid_tree_attention
 from sgl_longgen.kernels.reference import lse_natural_to_base2, prefix_logit_scores_reference, tree_attention_reference
@@ -26,9 +26,7 @@ def run_attn(batch, dtype, shared, *, graph=False, lens=None):
     attn = HybridTreeAttention(hq, hkv, d, DEVICE, prefix_backend="triton", use_cuda_graph=graph)
     attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=dtype,
               prefix_lens_host=lens, shared_prefix_len=shared)
-    out = nan_like(batch.q, torch.float32)
-    lse = nan_like(batch.q[..., 0], torch.float32)
-    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    out, lse = run_attention(attn, batch)
     return attn, out, lse
 
 
@@ -86,9 +84,7 @@ def test_width_one_verify_with_own_keys_in_the_prefix_cascades():
     attn = HybridTreeAttention(14, 2, 64, DEVICE, prefix_backend="triton")
     attn.plan(indptr, indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=dtype, prefix_lens_host=lens,
               own_kv_in_prefix=True, shared_prefix_len=333)
-    out = nan_like(batch.q, torch.float32)
-    lse = nan_like(batch.q[..., 0], torch.float32)
-    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    out, lse = run_attention(attn, batch)
     assert max_err(out, ref_o) <= TOL[dtype] / 2
     assert max_err(lse, lse_natural_to_base2(ref_lse)) <= 1e-3
 
@@ -175,9 +171,7 @@ def test_fa3_path_cascade_glue(monkeypatch, graph):
     shared = torch.tensor([120], dtype=torch.int32) if graph else 120
     assert attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=dtype,
                      prefix_lens_host=None if graph else lens, shared_prefix_len=shared) == "fa3"
-    out = nan_like(batch.q, torch.float32)
-    lse = nan_like(batch.q[..., 0], torch.float32)
-    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    out, lse = run_attention(attn, batch)
     ref_o, ref_lse = batch.reference()
     assert max_err(out, ref_o) <= TOL[dtype] / 2
     assert max_err(lse, lse_natural_to_base2(ref_lse)) <= 1e-2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import DEVICE, TOL, make_batch, max_err, nan_like, with_own_slots
+from kernel_cases import DEVICE, TOL, make_batch, max_err, nan_like, run_attention, with_own_slots
 from sgl_longgen.kernels.hybrid import HybridTreeAttention, hybrid_tree_attention
 from sgl_longgen.kernels.reference import lse_natural_to_base2
 
@@ -25,9 +25,7 @@ def test_matches_one_pass_reference(prefix_lens, tree_size, group, dtype):
     attn = HybridTreeAttention(2 * group, 2, 32, DEVICE, prefix_backend="triton")
     attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
               q_dtype=dtype, prefix_lens_host=prefix_lens)
-    out = nan_like(batch.q, torch.float32)
-    lse = nan_like(batch.q[..., 0], torch.float32)
-    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    out, lse = run_attention(attn, batch)
     ref_o, ref_lse = batch.reference()
     assert max_err(out, ref_o) <= TOL[dtype] / 2
     assert max_err(lse, lse_natural_to_base2(ref_lse)) <= 1e-3
@@ -118,9 +116,7 @@ def test_width_one_verify_with_its_own_key_in_the_prefix_is_a_decode_step(prefix
     attn = HybridTreeAttention(2 * group, 2, 32, DEVICE, prefix_backend="triton")
     attn.plan(indptr, indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=dtype,
               prefix_lens_host=lens, own_kv_in_prefix=True)
-    out = nan_like(batch.q, torch.float32)
-    lse = nan_like(batch.q[..., 0], torch.float32)
-    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out, lse=lse)
+    out, lse = run_attention(attn, batch)
     assert max_err(out, ref_o) <= TOL[dtype] / 2
     assert max_err(lse, lse_natural_to_base2(ref_lse)) <= 1e-3
     # The same plan over the prefix alone misses each row's own key: far off.
