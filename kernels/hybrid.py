@@ -448,8 +448,7 @@ class HybridTreeAttention:
             self._merge_shared(q, k_buffer, v_buffer, o_own, lse_own, o_prefix, lse_prefix, sm_scale)
             strides = (token_head_strides(o_prefix, T, G), token_head_strides(lse_prefix, T, G))
         else:
-            s_req, s_head, s_t = lse_prefix.stride()
-            strides = (token_head_strides(o_prefix, T, G), (s_req, s_t, G * s_head, s_head))
+            strides = (token_head_strides(o_prefix, T, G), _head_major_lse_strides(lse_prefix, G))
         return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, sm_scale)
 
     def _merge_shared(self, q, k_buffer, v_buffer, o_own, lse_own, out, lse, sm_scale):
@@ -457,11 +456,10 @@ class HybridTreeAttention:
         (``lse_own [bs, Hq, T]``) into ``out``/``lse``."""
         o_shared, lse_shared = self._fa3_shared.run(q, k_buffer, v_buffer, sm_scale)  # lse [1, Hq, bs*T]
         T, G = self.tree_size, self.group
-        s_req, s_head, s_t = lse_own.stride()
-        _, sh_head, sh_t = lse_shared.stride()
         merge_two_states_strided(
-            o_own, lse_own, (token_head_strides(o_own, T, G), (s_req, s_t, G * s_head, s_head)),
-            o_shared, lse_shared, (token_head_strides(o_shared, T, G), (T * sh_t, sh_t, G * sh_head, sh_head)),
+            o_own, lse_own, (token_head_strides(o_own, T, G), _head_major_lse_strides(lse_own, G)),
+            o_shared, lse_shared, (token_head_strides(o_shared, T, G),
+                                   _head_major_lse_strides(lse_shared, G, req_stride=T * lse_shared.stride(2))),
             out, lse, T, G,
         )
 
@@ -483,6 +481,13 @@ class HybridTreeAttention:
             out, lse, T, G,
         )
         return out
+
+
+def _head_major_lse_strides(lse: torch.Tensor, group: int, req_stride: int | None = None) -> tuple[int, ...]:
+    """(request, token, KV head, group member) strides of an FA3 LSE ``[R, Hq, N]``; ``req_stride``
+    when the rows of several requests are stacked in one (the cascade's shared part)."""
+    s_req, s_head, s_t = lse.stride()
+    return (s_req if req_stride is None else req_stride, s_t, group * s_head, s_head)
 
 
 def hybrid_tree_attention(

@@ -67,7 +67,7 @@ measured, so tests drive it with synthetic costs and acceptances.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..config import AdaptiveConfig
 
@@ -279,14 +279,9 @@ class AdaptiveController:
         """The width with the most expected tokens per second among those measured (None: the full
         draft; ties go to the wider one, whose step also samples the narrower widths)."""
         costs = costs or self.costs
-        best, best_e, best_cost = None, self.at_width[None].value, costs.spec.value
-        if best_e is None or best_cost is None:
+        if self.at_width[None].value is None or costs.spec.value is None:
             return None
-        for width in reversed(self.widths):
-            e, cost = self.at_width[width].value, costs.cost(width)
-            if e is not None and cost is not None and e * best_cost > best_e * cost:
-                best, best_e, best_cost = width, e, cost
-        return best
+        return _fastest(_measured_widths(self, costs), lambda width, cost: self.at_width[width].value)
 
     def _choose_width(self, costs: StepCosts) -> tuple[int | None, bool]:
         """(width, forced) of a speculative step that is taken because speculating pays."""
@@ -467,11 +462,19 @@ def batch_width(controllers: list[AdaptiveController], costs: StepCosts) -> int 
     if due:
         return None if None in due else max(due)
     plain = costs.plain.value
-    best, best_expected, best_cost = None, None, None
-    for width, cost in _measured_widths(controllers[0], costs):
-        expected = _batch_expected(controllers, width, cost, plain)
-        if best_expected is None or expected * best_cost > best_expected * cost:
-            best, best_expected, best_cost = width, expected, cost
+    return _fastest(_measured_widths(controllers[0], costs),
+                    lambda width, cost: _batch_expected(controllers, width, cost, plain))
+
+
+def _fastest(candidates: list[tuple[int | None, float]],
+             expected: Callable[[int | None, float], float | None]) -> int | None:
+    """Of ``(width, cost)`` candidates, widest first, the one with the most expected tokens per
+    second (a strict comparison: ties keep the wider); widths without an expectation are skipped."""
+    best, best_e, best_cost = None, None, None
+    for width, cost in candidates:
+        e = expected(width, cost)
+        if e is not None and (best_e is None or e * best_cost > best_e * cost):
+            best, best_e, best_cost = width, e, cost
     return best
 
 

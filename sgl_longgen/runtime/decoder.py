@@ -96,7 +96,6 @@ class Decoder(ABC):
     # accepted path's node positions in the last verified trie (the root's 0 first).
     max_nodes: int | None = None
     step_nodes: list[int] | None = None
-    widths: Sequence[int] = ()  # the adaptive widths of this generation (set by generate)
 
     def __init__(self, loaded: LoadedModel, config: GenerateConfig):
         self.loaded = loaded
@@ -140,12 +139,8 @@ class Decoder(ABC):
             new = self.plain_step()
             controller.record_plain(time.perf_counter() - t)
             self.stats.plain_steps += 1
-        elif not self.widths:
-            t = time.perf_counter()
-            new = self.step()
-            controller.record_spec(len(new), time.perf_counter() - t, self.step_source)
         else:
-            self.max_nodes = width = controller.width
+            self.max_nodes = width = controller.width  # None (the whole draft) without widths
             try:
                 t = time.perf_counter()
                 new = self.step()
@@ -153,8 +148,9 @@ class Decoder(ABC):
             finally:
                 self.max_nodes = None
             controller.record_spec(len(new), seconds, self.step_source, width=width, nodes=self.step_nodes)
-            key = "full" if width is None else str(width)
-            self.stats.width_steps[key] = self.stats.width_steps.get(key, 0) + 1
+            if controller.widths:
+                key = "full" if width is None else str(width)
+                self.stats.width_steps[key] = self.stats.width_steps.get(key, 0) + 1
         return new
 
     def adaptive_config(self) -> AdaptiveConfig:
@@ -192,7 +188,6 @@ class Decoder(ABC):
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.stats = Stats()
         adaptive = self.adaptive_config()
-        self.widths = adaptive.widths
         self.controller = AdaptiveController(adaptive) if self.speculative and adaptive.enabled else None
         P = len(prompt_ids)
         eos = set() if self.config.ignore_eos else set(self.loaded.eos_ids)

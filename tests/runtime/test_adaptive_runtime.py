@@ -34,8 +34,9 @@ class Scripted:
     speculate with the draft cut to that many nodes), cyclically. ``paths``: (width, accepted
     node positions) of the speculative steps the runtime reported them for."""
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, widths=()):
         self.steps = itertools.cycle(pattern)
+        self.widths = list(widths)  # the configured widths, as the real controller keeps them
         self.width: int | None = None
         self.paths: list[tuple[int | None, list[int]]] = []
 
@@ -57,7 +58,7 @@ class Scripted:
 def scripted(monkeypatch):
     """``scripted(pattern)``: every generation from now on gets that fixed mix of steps."""
     def use(pattern: str) -> None:
-        monkeypatch.setattr(decoder_module, "AdaptiveController", lambda cfg: Scripted(pattern))
+        monkeypatch.setattr(decoder_module, "AdaptiveController", lambda cfg: Scripted(pattern, cfg.widths))
     return use
 
 
@@ -116,7 +117,7 @@ def test_greedy_output_is_plain_decoding_at_every_draft_width(monkeypatch, metho
     expected = ar_output(name, penalty, window, NEW_TOKENS)
     narrow_accepted = 0
     for mix in WIDTH_MIXES:
-        ctrl = Scripted(mix)
+        ctrl = Scripted(mix, cfg.adaptive.widths)
         monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c, ctrl=ctrl: ctrl)
         result = build_decoder(model(name), cfg, drafter_dir=drafter).generate(PROMPT, NEW_TOKENS)
         assert result.error is None and tuple(result.output_ids) == expected, mix
@@ -138,7 +139,7 @@ def test_longspec_beams_cut_to_a_width_stay_lossless(monkeypatch):
     # The drafter fitted to this prompt's continuation.
     from test_longspec_lossless import fitted
 
-    ctrl = Scripted("2S4P8")
+    ctrl = Scripted("2S4P8", [2, 4, 8])
     monkeypatch.setattr(decoder_module, "AdaptiveController", lambda c: ctrl)
     cfg = adaptive("longspec", adaptive__widths=[2, 4, 8])
     result = build_decoder(model("tiny-random"), cfg, longspec_dir=fitted("tiny-random")).generate(PROMPT, NEW_TOKENS)
@@ -278,7 +279,7 @@ def test_sampled_mixes_follow_the_exact_distribution(monkeypatch, method):
     mixes = itertools.cycle(["SS", "SP", "PS", "PP", "2S", "S3", "3P", "23"])
 
     def scripted(c):
-        controllers.append(Scripted(next(mixes)))
+        controllers.append(Scripted(next(mixes), c.widths))
         return controllers[-1]
 
     monkeypatch.setattr(decoder_module, "AdaptiveController", scripted)
