@@ -184,6 +184,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "model": ("get_input_embeddings", "lm_head"),
     # Once SGLang has allocated the pools and built the attention backends.
     "model_runner_ready": ("attn_backend", "token_to_kv_pool", "req_to_token_pool"),
+    # Every request's slot row: verify and draft metadata, the cascade's shared-prefix search.
+    "req_to_token_pool": ("req_to_token",),
     # What the draft forward's CUDA graphs re-plan and fill (FlashInfer decode wrappers).
     "graph_backend": ("kv_indptr", "cuda_graph_kv_indices", "decode_cuda_graph_metadata",
                       "init_forward_metadata_out_graph", "init_forward_metadata"),

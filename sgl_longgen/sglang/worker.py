@@ -137,6 +137,7 @@ class SpecWorker(BaseSpecWorker):
     def init_attention_backends(self):
         # SGLang has built the target's pools and attention backend by now.
         compat.require_fields("model_runner_ready", self.env.runner)
+        compat.require_fields("req_to_token_pool", self.env.runner.req_to_token_pool)
 
     def init_cuda_graphs(self):
         """After SGLang captured the target's verify graphs: the width-1 graphs of plain steps,
