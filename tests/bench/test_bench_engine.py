@@ -261,6 +261,13 @@ def test_the_longer_timed_request_spans_about_n_steps_whatever_the_acceptance():
     assert engine_bench.long_request_tokens(64, 17, 0, cap=3584) == 1025  # no step counted: as one
     assert engine_bench.long_request_tokens(64, 17, 1, cap=600) == 600  # the context's headroom
     assert engine_bench.long_request_tokens(4, 2, 1, cap=2) == 3  # always longer than the short one
+    # A repeating workload's first steps commit few tokens: 17 in 4 steps, then 257 in 14 (an H200
+    # run). The second try is priced by the 240 tokens in 10 steps between the two requests.
+    assert engine_bench.long_request_tokens(64, 17, 4, cap=3584) == 257
+    assert engine_bench.retry_request_tokens(64, 17, 4, 257, 14, cap=3584) == 1 + 64 * 24
+    assert engine_bench.retry_request_tokens(64, 17, 1, 257, 1, cap=3584) == 3584  # no step between: the cap
+    assert engine_bench.retry_request_tokens(64, 17, 8, 65, 32, cap=3584) == 1 + 64 * 2  # two tokens a step
+    assert engine_bench.retry_request_tokens(4, 2, 1, 3, 1, cap=3) == 4  # always longer than the first try
 
 
 def test_step_cost_requests_in_an_engine():
