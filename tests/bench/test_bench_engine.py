@@ -192,10 +192,11 @@ def test_projection_divides_measured_step_cost_by_proxy_tau(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_projection_prices_a_step_with_the_decoding_timed_over_more_steps():
+def test_projection_prices_a_step_with_the_larger_of_the_steady_figures():
     """A repetitive greedy run commits its tokens in a few steps, and a few milliseconds of jitter
-    over two or three steps once came out negative: the projection takes the figure timed over
-    more steps, and never a missing or non-positive one."""
+    over two or three steps once came out negative: a figure from under half the steps of the other
+    does not price a step, nor does a missing or non-positive one; of two steady figures the larger
+    does (a first-use cost in one short request once made a step look 2.3x cheaper)."""
     acceptance = [{"method": "tokenswift", "setting": GREEDY, "tau": 4.0}]
     base = {"shape": "llama8b", "method": "tokenswift", "context": 4096, "batch": 1}
     greedy_longer = {**base, "greedy_ms_per_step": 10.0, "greedy_timed_steps": 60,
@@ -207,8 +208,13 @@ def test_projection_prices_a_step_with_the_decoding_timed_over_more_steps():
     nothing = {**base, "context": 32768, "greedy_ms_per_step": None, "sampled_ms_per_step": None}
     got = {(p["context"], p["batch"]): (p["step_ms"], p["step_timed"], p["projected_ms_per_token"])
            for p in engine_bench.project([greedy_longer, noisy_greedy, older_bench, nothing], acceptance)}
-    assert got == {(4096, 1): (10.0, "greedy", 2.5), (4096, 4): (20.0, "sampled", 5.0),
+    assert got == {(4096, 1): (12.0, "sampled", 3.0), (4096, 4): (20.0, "sampled", 5.0),
                    (98304, 1): (18.0, "sampled", 4.5)}
+    polluted = {**base, "context": 65536, "greedy_ms_per_step": 5.61, "greedy_timed_steps": 63,
+                "sampled_ms_per_step": 13.17, "sampled_timed_steps": 48}  # the H200 run's figures
+    heavier_greedy = {**polluted, "context": 131072, "greedy_ms_per_step": 14.0}
+    assert engine_bench.step_cost(polluted) == (13.17, "sampled")
+    assert engine_bench.step_cost(heavier_greedy) == (14.0, "greedy")
 
 
 def test_bench_imports_without_sglang():
