@@ -340,15 +340,17 @@ def intro(result: dict) -> str:
     if result.get("engine") == "sglang":
         where = "SGLang's CPU engine" if result.get("on_cpu") else "a GPU"
         return (f"Every method inside sgl.Engine ({where}), {n} tau = completion tokens / spec_verify_ct, as SGLang "
-                f"reports it; alpha is the reference runtime's, not reported here. tok/s and speedup are this "
-                f"machine's.{adaptive}")
+                f"reports it; alpha (accepted drafts / drafted depth) is the reference runtime's, not reported "
+                f"here; SGLang's accept rate is its spec_accept_rate (accepted draft tokens / draft tokens "
+                f"verified, every tree node counted). tok/s and speedup are this machine's.{adaptive}")
     return f"Reference runtime, {n} tok/s and speedup are the CPU reference runtime's, not a GPU's.{adaptive}"
 
 
 def acceptance_table(rows: list[dict]) -> list[str]:
-    lines = [("| setting | method | tokens | tau | alpha | Distinct-1 | Distinct-2 | Distinct-3 | Distinct-4 "
-              "| tok/s | speedup | identical to plain |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rate = any(r.get("sglang_accept_rate") is not None for r in rows)
+    lines = [("| setting | method | tokens | tau | alpha | " + ("SGLang accept rate | " if rate else "")
+              + "Distinct-1 | Distinct-2 | Distinct-3 | Distinct-4 | tok/s | speedup | identical to plain |"),
+             "|---|---|---|---|---|" + ("---|" if rate else "") + "---|---|---|---|---|---|---|"]
     notes = {}
     for r in rows:
         same = "-" if r["identical"] is None else ("yes" if r["identical"] else "**NO**")
@@ -357,8 +359,9 @@ def acceptance_table(rows: list[dict]) -> list[str]:
             same += f" (from token {r['first_difference']}" + (f"; plain's top-2 gap there {gap:.4f}" if gap is not None
                                                                  else "") + ")"
         distinct = " | ".join(_f(r[f"distinct_{n}"], ".3f") for n in eval_cmd.DISTINCT_N)
-        lines.append(f"| {r['setting']} | {r['method']} | {r['tokens']} | {_f(r['tau'], '.2f')} | {_f(r['alpha'], '.3f')} "
-                     f"| {distinct} | {_f(r['tokens_per_second'], '.1f')} | {_f(r['speedup'], '.2f')} | {same} |")
+        accept = f" | {_f(r.get('sglang_accept_rate'), '.3f')}" if rate else ""
+        lines.append(f"| {r['setting']} | {r['method']} | {r['tokens']} | {_f(r['tau'], '.2f')} | {_f(r['alpha'], '.3f')}"
+                     f"{accept} | {distinct} | {_f(r['tokens_per_second'], '.1f')} | {_f(r['speedup'], '.2f')} | {same} |")
         if r.get("error"):
             notes[r["method"]] = r["error"]
     lines += [f"\n{method}: {error}" for method, error in notes.items()]

@@ -322,6 +322,10 @@ def test_a_greedy_difference_reports_where_and_how_close_plain_decoding_was_to_a
     table = "\n".join(bench.acceptance_table([{**row, "setting": GREEDY, "speedup": 1.0, "distinct_1": 0.5,
                                                "distinct_2": 0.5, "distinct_3": 0.5, "distinct_4": 0.5}]))
     assert "**NO** (from token 2; plain's top-2 gap there 0.0040)" in table
+    assert "SGLang accept rate" not in table  # no engine reported one
+    rated = "\n".join(bench.acceptance_table([{**row, "setting": GREEDY, "speedup": 1.0, "sglang_accept_rate": 0.0894,
+                                               **{f"distinct_{n}": 0.5 for n in (1, 2, 3, 4)}}]))
+    assert "| tau | alpha | SGLang accept rate | Distinct-1 |" in rated and "| - | 0.089 | 0.500 |" in rated
     assert engine_bench.first_difference([1, 2], [1, 2, 3]) == 2 and engine_bench.first_difference([1], [1]) is None
 
 
