@@ -28,9 +28,15 @@ def test_a_signal_ends_the_run_with_128_plus_its_number(monkeypatch, tmp_path, s
         pytest.fail(f"{sig.name} did not interrupt the run")
 
     monkeypatch.setattr(runner, "run_job", stopped_run)
-    before = signal.getsignal(signal.SIGTERM)
-    assert main(["batch", "run", str(write_job(tmp_path, "sig"))]) == status
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler was the run's only
+    # A shell starts a background job with SIGINT ignored, and Python then leaves it ignored: the
+    # test gives the process Python's usual Ctrl-C handling, whatever started it.
+    started_with = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        assert main(["batch", "run", str(write_job(tmp_path, "sig"))]) == status
+        assert signal.getsignal(signal.SIGTERM) is before  # the handler was the run's only
+    finally:
+        signal.signal(signal.SIGINT, started_with)
 
 
 def test_engines_get_the_home_under_its_current_name(monkeypatch, tmp_path):
