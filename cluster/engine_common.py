@@ -21,18 +21,41 @@ from .messages import Task
 NAMESPACE = "sgl-longgen"
 
 
-def effective_config(generation: dict[str, Any], heads_dir: Path | None) -> GenerateConfig:
-    """Built-in defaults < the heads' ``longgen.toml`` < the job's settings (as ``generate`` does)."""
+# The job field naming each speculative method's draft checkpoint (see JobSpec).
+DRAFT_FIELD = {"tokenswift": "heads", "owl": "drafter", "howl": "drafter", "longspec": "longspec_drafter"}
+
+
+def draft_dirs(model_dir: Path | None, drafts: dict[str, str | None]) -> dict[str, Path | None]:
+    """Every draft directory by job field: the one the job names, else the one inside the model
+    directory (embedded models ship all three), else None."""
+    from ..runtime import default_drafter_dir, default_heads_dir, default_longspec_dir
+
+    shipped = {"heads": default_heads_dir, "drafter": default_drafter_dir, "longspec_drafter": default_longspec_dir}
+    return {f: Path(drafts[f]) if drafts.get(f) else (find(model_dir) if model_dir is not None else None)
+            for f, find in shipped.items()}
+
+
+def effective_config(generation: dict[str, Any], dirs: dict[str, Path | None]) -> GenerateConfig:
+    """Built-in defaults < the heads' ``longgen.toml`` < (owl, howl, longspec) the method's drafter's
+    ``longgen.toml`` < the job's settings: the layering of ``sgl-longgen generate``."""
     from ..runtime import heads_defaults_file
 
-    base: dict[str, Any] = {}
-    defaults = heads_defaults_file(heads_dir)
-    if defaults is not None:
-        base = load_toml(defaults)
-    try:
-        return msgspec.convert(merge(base, generation), GenerateConfig)
-    except msgspec.ValidationError as exc:
-        raise LonggenError(f"invalid generation settings: {exc}") from None
+    def layer(base: dict[str, Any], directory: Path | None) -> dict[str, Any]:
+        f = heads_defaults_file(directory)
+        return merge(base, load_toml(f)) if f is not None else base
+
+    def build(base: dict[str, Any]) -> GenerateConfig:
+        try:
+            return msgspec.convert(merge(base, generation), GenerateConfig)
+        except msgspec.ValidationError as exc:
+            raise LonggenError(f"invalid generation settings: {exc}") from None
+
+    base = layer({}, dirs.get("heads"))
+    config = build(base)
+    field = DRAFT_FIELD.get(config.method)
+    if field is not None and field != "heads":
+        config = build(layer(base, dirs.get(field)))
+    return config
 
 
 def finished_early(task: Task, eos_ids: set[int], config: GenerateConfig) -> str | None:

@@ -10,14 +10,13 @@ import os
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import msgspec
 
 from ..config import to_dict
 from ..errors import LonggenError
-from .engine_common import effective_config, finished_early, ray_node
+from .engine_common import draft_dirs, effective_config, finished_early, ray_node
 from .messages import EngineInfo, Finished, Progress, Segment, Task
 
 
@@ -28,21 +27,22 @@ class ReferenceEngine:
     generator, which yields them to the driver.
     """
 
-    def __init__(self, index: int, model: str, heads: str | None, generation: dict[str, Any], threads: int = 0):
+    def __init__(self, index: int, model: str, drafts: dict[str, str | None], generation: dict[str, Any],
+                 threads: int = 0):
         import torch
 
-        from ..runtime import build_decoder, default_heads_dir, load_model, resolve_model
+        from ..runtime import build_decoder, load_model, resolve_model
 
         self.index = index
         model_dir = resolve_model(model)
-        heads_dir = Path(heads) if heads else default_heads_dir(model_dir)
-        self.config = effective_config(generation, heads_dir)
+        dirs = draft_dirs(model_dir, drafts)
+        self.config = effective_config(generation, dirs)
         rt = self.config.runtime
         n = rt.threads or threads
         if n:
             torch.set_num_threads(n)
         self.loaded = load_model(model_dir, rt.dtype, rt.device)
-        self.decoder = build_decoder(self.loaded, self.config, heads_dir)
+        self.decoder = build_decoder(self.loaded, self.config, dirs["heads"], dirs["drafter"], dirs["longspec_drafter"])
         self.eos_ids = set(self.loaded.eos_ids)
         self.tokens_generated = 0  # by this actor, over all tasks
 

@@ -138,7 +138,7 @@ class Scheduler:
             opts["max_concurrency"] = spec.engines.max_concurrent_requests + 2
         if self.runtime_env:
             opts["runtime_env"] = self.runtime_env
-        args: dict[str, Any] = dict(index=slot.index, model=self.job.model, heads=self.job.heads,
+        args: dict[str, Any] = dict(index=slot.index, model=self.job.model, drafts=self.job.drafts,
                                     generation=self.job.generation)
         if spec.runtime == "sglang":
             args.update(tp_size=spec.engines.tp_size, sglang_kwargs=spec.sglang.engine_kwargs)

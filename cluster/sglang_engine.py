@@ -7,12 +7,13 @@ what a 100K-token row needs: the stream is cut into :class:`Progress` deltas eve
 prompt plus its generated prefix, re-prefilled (SGLang's radix cache makes that cheap when the
 same engine served the first part).
 
-TokenSwift runs as SGLang's speculative algorithm ``TOKENSWIFT`` (this package's SGLang plugin),
-with the heads directory as the draft model path. The plugin reads the TokenSwift settings (tree,
-n-gram, partial KV, default penalty) from the ``longgen.toml`` in that directory, so the actor
-builds a draft directory of its own: links to the heads' files plus a ``longgen.toml`` holding the
-job's effective settings. The contextual penalty also rides on each request as ``custom_params``
-(with plain decoding, through the plugin's ``ContextualPenaltyProcessor``).
+A speculative method runs as this package's SGLang algorithm of the same name (``TOKENSWIFT``,
+``OWL``, ``HOWL``, ``LONGSPEC``) with its draft checkpoint as the draft model path. The plugin
+reads the method's settings (tree, n-gram, partial KV, drafter beam, suffix, default penalty) from
+the ``longgen.toml`` in that directory, so the actor builds a draft directory of its own: links to
+the checkpoint's files plus a ``longgen.toml`` holding the job's effective settings. The contextual
+penalty also rides on each request as ``custom_params`` (with plain decoding, through the plugin's
+``ContextualPenaltyProcessor``).
 
 SGLang is reached only through :mod:`sgl_longgen.sglang.engine`, the one package that imports it,
 and only inside the actor: the driver imports this module (to name the actor class) and must not
@@ -31,13 +32,14 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from ..config import GenerateConfig, to_dict
+from ..config import SPECULATIVE_ALGORITHMS, GenerateConfig, to_dict
 from ..errors import LonggenError
-from .engine_common import effective_config, finished_early, ray_node
+from .engine_common import DRAFT_FIELD, draft_dirs, effective_config, finished_early, ray_node
 from .messages import EngineInfo, Finished, Progress, Segment, Task
 
-ALGORITHM = "TOKENSWIFT"
 DEFAULTS_FILE = "longgen.toml"
+# The tables of a draft directory's longgen.toml that the plugin reads (see sglang.draft_dir).
+METHOD_TABLES = ("tokenswift", "owl", "suffix", "howl", "longspec")
 
 
 def engine_kwargs(model_path: str, draft_dir: str | None, config: GenerateConfig, tp_size: int,
@@ -49,10 +51,13 @@ def engine_kwargs(model_path: str, draft_dir: str | None, config: GenerateConfig
         "skip_tokenizer_init": True,  # token ids in and out; the actor tokenizes
         "random_seed": config.seed,
     }
-    if config.method == "tokenswift":
+    algorithm = SPECULATIVE_ALGORITHMS.get(config.method)
+    if algorithm is not None:
         if draft_dir is None:
-            raise LonggenError(f"tokenswift needs draft heads: set `heads` in the job (none found beside {model_path})")
-        kw.update(speculative_algorithm=ALGORITHM, speculative_draft_model_path=draft_dir,
+            field = DRAFT_FIELD[config.method]
+            raise LonggenError(f"{config.method} needs its draft checkpoint: set `{field}` in the job "
+                               f"(none found inside {model_path})")
+        kw.update(speculative_algorithm=algorithm, speculative_draft_model_path=draft_dir,
                   disable_overlap_schedule=True)
     elif config.sampling.penalty_active:
         kw["enable_custom_logit_processor"] = True
@@ -75,7 +80,7 @@ def request_args(config: GenerateConfig, max_new_tokens: int) -> dict[str, Any]:
     args: dict[str, Any] = {"sampling_params": params}
     if s.penalty_active:
         params["custom_params"] = {"penalty": s.penalty, "penalty_window": s.penalty_window}
-        if config.method != "tokenswift":
+        if config.method not in SPECULATIVE_ALGORITHMS:  # our workers read custom_params themselves
             from ..sglang.engine import penalty_processor  # imports SGLang: called in the actor only
 
             args["custom_logit_processor"] = penalty_processor()
@@ -91,17 +96,18 @@ def _toml(table: dict[str, Any], prefix: str = "") -> list[str]:
     return lines
 
 
-def draft_dir_for(heads_dir: Path, config: GenerateConfig) -> Path:
-    """The heads' files plus a ``longgen.toml`` with the job's effective TokenSwift settings."""
+def draft_dir_for(checkpoint: Path, config: GenerateConfig) -> Path:
+    """The draft checkpoint's files plus a ``longgen.toml`` with the job's effective method settings."""
     out = Path(tempfile.mkdtemp(prefix="sgl-longgen-draft-"))
-    for f in heads_dir.iterdir():
+    for f in checkpoint.iterdir():
         if f.name != DEFAULTS_FILE:
             (out / f.name).symlink_to(f.resolve())
-    settings = {
-        "tokenswift": to_dict(config.tokenswift),
-        "sampling": {"penalty": config.sampling.penalty, "penalty_window": config.sampling.penalty_window},
-    }
-    (out / DEFAULTS_FILE).write_text("# Written by sgl-longgen batch: the job's TokenSwift settings.\n"
+    settings = {name: to_dict(getattr(config, name)) for name in METHOD_TABLES}
+    # The adaptive controller's server default; its `widths` are a reference-runtime option the
+    # plugin refuses, so they stay out.
+    settings["adaptive"] = {k: v for k, v in to_dict(config.adaptive).items() if k != "widths"}
+    settings["sampling"] = {"penalty": config.sampling.penalty, "penalty_window": config.sampling.penalty_window}
+    (out / DEFAULTS_FILE).write_text(f"# Written by sgl-longgen batch: the job's {config.method} settings.\n"
                                      + "\n".join(_toml(settings)) + "\n")
     return out
 
@@ -118,9 +124,9 @@ def _finish_reason(meta: dict) -> tuple[str, str | None]:
 class SGLangEngine:
     """One ``sglang.Engine`` (one TP group) as a Ray async actor; many requests at once."""
 
-    def __init__(self, index: int, model: str, heads: str | None, generation: dict[str, Any], tp_size: int = 1,
-                 sglang_kwargs: dict[str, Any] | None = None):
-        from ..runtime import default_heads_dir, resolve_model
+    def __init__(self, index: int, model: str, drafts: dict[str, str | None], generation: dict[str, Any],
+                 tp_size: int = 1, sglang_kwargs: dict[str, Any] | None = None):
+        from ..runtime import resolve_model
         from ..runtime.embedded import ALIASES, SPECS
 
         self.index = index
@@ -129,14 +135,13 @@ class SGLangEngine:
             model_path = str(model_dir)
         else:
             model_dir, model_path = None, model  # a hub id: SGLang fetches it
-        heads_dir = Path(heads) if heads else (default_heads_dir(model_dir) if model_dir else None)
-        self.config = effective_config(generation, heads_dir)
+        dirs = draft_dirs(model_dir, drafts)
+        self.config = effective_config(generation, dirs)
         self.tokenizer = self._tokenizer(model_dir, model_path)
         self.eos_ids = self._eos_ids(model_dir)
 
-        draft = None
-        if self.config.method == "tokenswift" and heads_dir is not None:
-            draft = str(draft_dir_for(heads_dir, self.config))
+        checkpoint = dirs.get(DRAFT_FIELD.get(self.config.method, ""))
+        draft = str(draft_dir_for(checkpoint, self.config)) if checkpoint is not None else None
 
         from ..sglang.engine import open_engine  # heavy; only engine actors of this runtime import it
 

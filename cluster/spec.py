@@ -5,12 +5,13 @@ or a value out of range fails before any engine starts, with the offending field
 (``$.engines.tp_size``), because a typo in a GPU-day batch should cost a second, not a day.
 
 The generation settings (``method``, ``max_new_tokens``, ``seed``, ``ignore_eos``, ``[sampling]``,
-``[tokenswift]``, ``[reference]``) are the same structs ``sgl-longgen generate`` uses. Engines
-layer them over the defaults shipped beside the model's heads (``longgen.toml``), exactly as the
+the method tables ``[tokenswift]``, ``[owl]``, ``[suffix]``, ``[howl]``, ``[longspec]``,
+``[adaptive]``, and ``[reference]``) are the same structs ``sgl-longgen generate`` uses. Engines
+layer them over the defaults shipped beside the draft checkpoints (``longgen.toml``), exactly as the
 ``generate`` command does, so a job file only has to say what differs.
 
-Relative paths (``input``, ``output_dir``, ``model``, ``heads``) resolve against the folder of the
-job file, so a job file and its prompts can move together.
+Relative paths (``input``, ``output_dir``, ``model``, ``heads``, ``drafter``, ``longspec_drafter``)
+resolve against the folder of the job file, so a job file and its prompts can move together.
 """
 
 from __future__ import annotations
@@ -24,7 +25,19 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ..config import RuntimeConfig, SamplingConfig, Strict, TokenSwiftConfig, merge
+from ..config import (
+    AdaptiveConfig,
+    HowlConfig,
+    LongSpecConfig,
+    Method,
+    OwlConfig,
+    RuntimeConfig,
+    SamplingConfig,
+    Strict,
+    SuffixConfig,
+    TokenSwiftConfig,
+    merge,
+)
 from ..errors import LonggenError
 
 PosInt = Annotated[int, Meta(ge=1)]
@@ -64,17 +77,26 @@ class JobSpec(Strict, kw_only=True):
 
     name: str = ""  # default: the job file's name without its suffix
     model: str  # an embedded model name (tiny, ...) or an HF checkpoint directory
-    heads: str | None = None  # TokenSwift heads directory (default: the model's tokenswift-heads/)
+    # Draft checkpoints, as `sgl-longgen generate` takes them (default: the one inside the model
+    # directory): TokenSwift heads; the OWL drafter of owl and howl; the LongSpec drafter.
+    heads: str | None = None
+    drafter: str | None = None
+    longspec_drafter: str | None = None
     runtime: Literal["reference", "sglang"] = "reference"
     input: str  # JSONL, one prompt per line: {"id": ..., "prompt": "..."} or {"id": ..., "input_ids": [...]}
     output_dir: str  # records.jsonl, checkpoints/, summary.json
     # Generation (the same meaning as in `sgl-longgen generate`).
-    method: Literal["ar", "tokenswift"] = "tokenswift"
+    method: Method = "tokenswift"
     max_new_tokens: PosInt = 2048
     seed: int = 0
     ignore_eos: bool = False
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     tokenswift: TokenSwiftConfig = msgspec.field(default_factory=TokenSwiftConfig)
+    owl: OwlConfig = msgspec.field(default_factory=OwlConfig)
+    suffix: SuffixConfig = msgspec.field(default_factory=SuffixConfig)
+    howl: HowlConfig = msgspec.field(default_factory=HowlConfig)
+    longspec: LongSpecConfig = msgspec.field(default_factory=LongSpecConfig)
+    adaptive: AdaptiveConfig = msgspec.field(default_factory=AdaptiveConfig)
     reference: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
     sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
     # Fault tolerance.
@@ -117,7 +139,10 @@ class JobSpec(Strict, kw_only=True):
 
 # The keys of a job file that are generation settings (GenerateConfig fields). `[reference]` is
 # GenerateConfig's `runtime` table: in a job file `runtime` names the engine kind instead.
-GENERATION_KEYS = ("method", "max_new_tokens", "seed", "ignore_eos", "sampling", "tokenswift")
+GENERATION_KEYS = ("method", "max_new_tokens", "seed", "ignore_eos", "sampling", "tokenswift", "owl", "suffix", "howl",
+                   "longspec", "adaptive")
+# The job fields naming draft checkpoint directories.
+DRAFT_FIELDS = ("heads", "drafter", "longspec_drafter")
 
 
 @dataclass
@@ -158,14 +183,16 @@ class Job:
         return str(self.path(m))
 
     @property
-    def heads(self) -> str | None:
-        return str(self.path(self.spec.heads)) if self.spec.heads else None
+    def drafts(self) -> dict[str, str | None]:
+        """The draft directories the job names (``heads``, ``drafter``, ``longspec_drafter``), resolved."""
+        values = {f: getattr(self.spec, f) for f in DRAFT_FIELDS}
+        return {f: str(self.path(v)) if v else None for f, v in values.items()}
 
     def settings(self) -> dict[str, Any]:
         """Everything that decides the tokens of a record; a resumed job must not change it."""
         return {
             "model": self.model,
-            "heads": self.heads,
+            **self.drafts,
             "runtime": self.spec.runtime,
             "generation": self.generation,
             "sglang": self.spec.sglang.engine_kwargs if self.spec.runtime == "sglang" else {},

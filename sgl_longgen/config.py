@@ -270,10 +270,19 @@ class RuntimeConfig(Strict):
     threads: NonNegInt = 0  # 0: leave torch's default
 
 
+Method = Literal["ar", "tokenswift", "owl", "howl", "longspec"]
+
+# SGLang's ``--speculative-algorithm`` for each speculative method (this package's plugin registers
+# them); plain decoding ("ar") has none.
+SPECULATIVE_ALGORITHMS: dict[str, str] = {
+    "tokenswift": "TOKENSWIFT", "owl": "OWL", "howl": "HOWL", "longspec": "LONGSPEC",
+}
+
+
 class GenerateConfig(Strict):
     """Everything ``sgl-longgen generate`` needs besides the model and the prompt."""
 
-    method: Literal["ar", "tokenswift", "owl", "howl", "longspec"] = "tokenswift"
+    method: Method = "tokenswift"
     max_new_tokens: PosInt = 2048
     seed: int = 0
     ignore_eos: bool = False

@@ -37,13 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import env
+from ..config import SPECULATIVE_ALGORITHMS
 from ..errors import LonggenError
 
 # The bench's method names (the reference runtime's, plus SGLang's own NGRAM as the peer) and the
 # engine's --speculative-algorithm for each; None: plain decoding.
-ALGORITHMS: dict[str, str | None] = {
-    "ar": None, "ngram": "NGRAM", "tokenswift": "TOKENSWIFT", "owl": "OWL", "howl": "HOWL", "longspec": "LONGSPEC",
-}
+ALGORITHMS: dict[str, str | None] = {"ar": None, "ngram": "NGRAM", **SPECULATIVE_ALGORITHMS}
 BASELINE = "ar"
 NGRAM_DRAFT_TOKENS = 16  # gpu_check's NGRAM width
 MEASURED = "measured"

@@ -1,5 +1,5 @@
-"""The SGLang runtime of batch jobs, end to end on the CPU: ``sglang.Engine`` with TOKENSWIFT inside
-a Ray actor (SGLang's CPU engine and the ``sgl_kernel`` shim of ``tests/conftest.py``).
+"""The SGLang runtime of batch jobs, end to end on the CPU: ``sglang.Engine`` with TOKENSWIFT (and
+HOWL, the OWL drafter's method) inside a Ray actor (SGLang's CPU engine and the ``sgl_kernel`` shim of ``tests/conftest.py``).
 
 One job, one engine, three concurrent requests, one of them resumed from a checkpoint: the records
 equal plain greedy decoding of the reference runtime, the resumed request's engine generated only
@@ -39,9 +39,10 @@ def oracle() -> dict[str, list[int]]:
     return out
 
 
-def test_sglang_engine_actor_with_tokenswift(ray_cluster, tmp_path, oracle):
+@pytest.mark.parametrize("method", ["tokenswift", "howl"])
+def test_sglang_engine_actor_runs_the_jobs_method(ray_cluster, tmp_path, oracle, method):
     pytest.importorskip("sglang")
-    job_file = write_job(tmp_path, "sgl", prompts=PROMPTS[:3], runtime="sglang", max_new_tokens=N,
+    job_file = write_job(tmp_path, "sgl", prompts=PROMPTS[:3], runtime="sglang", max_new_tokens=N, method=method,
                          engines={"count": 1, "cpus": 1, "max_concurrent_requests": 3, "startup_timeout_s": 1800},
                          sglang={"engine_kwargs": ENGINE})
     job = load_job(job_file)
@@ -58,7 +59,7 @@ def test_sglang_engine_actor_with_tokenswift(ray_cluster, tmp_path, oracle):
     assert sorted(records) == sorted(oracle)
     for rid, r in records.items():
         assert r["runtime"] == "sglang" and r["finish_reason"] == "length", r
-        assert r["output_ids"] == oracle[rid], f"{rid}: SGLang + TOKENSWIFT differs from plain greedy decoding"
+        assert r["output_ids"] == oracle[rid], f"{rid}: SGLang + {method} differs from plain greedy decoding"
         assert r["accept_length"] > 1.0  # SGLang's spec_verify_ct made it into the record: it speculated
         # The timeline: one mark per engine report, the last one at the end of the generation. SGLang
         # reports verify counts with a request's last chunk only, so only that mark knows its steps.

@@ -34,7 +34,7 @@ def test_the_example_job_loads():
     assert job.name == "tiny-batch"
     assert job.spec.runtime == "reference" and job.spec.engines.count == 2
     assert job.input_path == EXAMPLE.parent / "tiny_prompts.jsonl"
-    assert effective_config(job.generation, None).sampling.temperature == 0.0
+    assert effective_config(job.generation, {}).sampling.temperature == 0.0
 
 
 def test_json_and_toml_give_the_same_job(tmp_path):
@@ -108,10 +108,31 @@ def test_generation_settings_layer_over_the_heads_defaults(tmp_path):
     heads = tmp_path / "heads"
     heads.mkdir()
     (heads / "longgen.toml").write_text("[tokenswift.partial_kv]\nbudget = 256\nsinks = 16\n")
-    cfg = effective_config(job.generation, heads)
+    cfg = effective_config(job.generation, {"heads": heads})
     assert (cfg.tokenswift.partial_kv.budget, cfg.tokenswift.partial_kv.sinks) == (256, 8)
 
 
 def test_bad_toml_is_reported(tmp_path):
     assert "not valid TOML" in error_of(write(tmp_path, "model = \n"))
     assert "not found" in error_of(tmp_path / "nope.toml")
+
+
+def test_a_job_of_any_method_layers_its_drafters_defaults(tmp_path):
+    """heads' longgen.toml < the method's drafter's < the job, as `sgl-longgen generate` layers them."""
+    job = load_job(write(tmp_path, MINIMAL + 'method = "howl"\ndrafter = "owl"\n[owl]\ntop_k = 3\n'))
+    assert job.drafts == {"heads": None, "drafter": str(tmp_path / "owl"), "longspec_drafter": None}
+    assert job.settings()["drafter"] == str(tmp_path / "owl")
+    for name, text in (("heads", "[owl]\ndepth = 2\ntop_k = 2\n[suffix]\nmax_depth = 7\n"),
+                       ("owl", "[owl]\ndepth = 5\ntop_k = 4\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "longgen.toml").write_text(text)
+    dirs = {"heads": tmp_path / "heads", "drafter": tmp_path / "owl", "longspec_drafter": None}
+    cfg = effective_config(job.generation, dirs)
+    assert (cfg.method, cfg.owl.depth, cfg.owl.top_k, cfg.suffix.max_depth) == ("howl", 5, 3, 7)
+    # Another method does not read the OWL drafter's defaults.
+    cfg = effective_config({**job.generation, "method": "tokenswift"}, dirs)
+    assert (cfg.owl.depth, cfg.owl.top_k) == (2, 3)
+
+
+def test_an_unknown_method_is_named(tmp_path):
+    assert "$.method" in error_of(write(tmp_path, MINIMAL + 'method = "medusa"\n'))
