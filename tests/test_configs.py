@@ -30,7 +30,7 @@ def test_job_loads(path):
     assert isinstance(job, Job)
     prompts, bad = read_prompts(job.input_path)
     assert prompts and not bad
-    assert isinstance(effective_config(job.generation, None), GenerateConfig)
+    assert isinstance(effective_config(job.generation, {}), GenerateConfig)
 
 
 def test_every_settings_struct_refuses_unknown_keys():

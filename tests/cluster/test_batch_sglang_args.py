@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_longgen.cluster.engine_common import draft_dirs, effective_config
+from sgl_longgen.cluster.engine_common import DRAFT_FIELD, draft_dirs, effective_config
 from sgl_longgen.cluster.sglang_engine import draft_dir_for, engine_kwargs, request_args
 from sgl_longgen.config import SPECULATIVE_ALGORITHMS
 from sgl_longgen.errors import LonggenError
@@ -27,8 +27,7 @@ def tiny():
 def test_each_method_runs_as_its_algorithm_with_the_jobs_settings(tiny, method):
     model, dirs = tiny
     config = effective_config({**GENERATION, "method": method}, dirs)
-    checkpoint = dirs[{"tokenswift": "heads", "owl": "drafter", "howl": "drafter",
-                       "longspec": "longspec_drafter"}[method]]
+    checkpoint = dirs[DRAFT_FIELD[method]]
     assert checkpoint is not None and checkpoint.is_dir()
     draft = draft_dir_for(checkpoint, config)
     kw = engine_kwargs(str(model), str(draft), config, 1, {"context_length": 4096})
