@@ -12,50 +12,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from ..config import GenerateConfig, load_toml, merge
-from ..errors import LonggenError
+from ..config import GenerateConfig
 from .messages import Task
 
 NAMESPACE = "sgl-longgen"
 
 
-# The job field naming each speculative method's draft checkpoint (see JobSpec).
-DRAFT_FIELD = {"tokenswift": "heads", "owl": "drafter", "howl": "drafter", "longspec": "longspec_drafter"}
-
-
-def draft_dirs(model_dir: Path | None, drafts: dict[str, str | None]) -> dict[str, Path | None]:
-    """Every draft directory by job field: the one the job names, else the one inside the model
-    directory (embedded models ship all three), else None."""
-    from ..runtime import default_drafter_dir, default_heads_dir, default_longspec_dir
-
-    shipped = {"heads": default_heads_dir, "drafter": default_drafter_dir, "longspec_drafter": default_longspec_dir}
-    return {f: Path(drafts[f]) if drafts.get(f) else (find(model_dir) if model_dir is not None else None)
-            for f, find in shipped.items()}
-
-
 def effective_config(generation: dict[str, Any], dirs: dict[str, Path | None]) -> GenerateConfig:
-    """Built-in defaults < the heads' ``longgen.toml`` < (owl, howl, longspec) the method's drafter's
-    ``longgen.toml`` < the job's settings: the layering of ``sgl-longgen generate``."""
-    from ..runtime import heads_defaults_file
+    """The job's settings over its draft checkpoints' defaults, layered as ``sgl-longgen generate``
+    layers them (:func:`sgl_longgen.runtime.layered_config`)."""
+    from ..runtime import layered_config
 
-    def layer(base: dict[str, Any], directory: Path | None) -> dict[str, Any]:
-        f = heads_defaults_file(directory)
-        return merge(base, load_toml(f)) if f is not None else base
-
-    def build(base: dict[str, Any]) -> GenerateConfig:
-        try:
-            return msgspec.convert(merge(base, generation), GenerateConfig)
-        except msgspec.ValidationError as exc:
-            raise LonggenError(f"invalid generation settings: {exc}") from None
-
-    base = layer({}, dirs.get("heads"))
-    config = build(base)
-    field = DRAFT_FIELD.get(config.method)
-    if field is not None and field != "heads":
-        config = build(layer(base, dirs.get(field)))
-    return config
+    return layered_config(dirs, generation, "of the job (generation settings)")
 
 
 def finished_early(task: Task, eos_ids: set[int], config: GenerateConfig) -> str | None:

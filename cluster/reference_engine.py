@@ -16,7 +16,7 @@ import msgspec
 
 from ..config import to_dict
 from ..errors import LonggenError
-from .engine_common import draft_dirs, effective_config, finished_early, ray_node
+from .engine_common import effective_config, finished_early, ray_node
 from .messages import EngineInfo, Finished, Progress, Segment, Task
 
 
@@ -31,7 +31,7 @@ class ReferenceEngine:
                  threads: int = 0):
         import torch
 
-        from ..runtime import build_decoder, load_model, resolve_model
+        from ..runtime import build_decoder, draft_dirs, load_model, resolve_model
 
         self.index = index
         model_dir = resolve_model(model)

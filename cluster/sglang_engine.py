@@ -34,7 +34,7 @@ import msgspec
 
 from ..config import SPECULATIVE_ALGORITHMS, GenerateConfig, to_dict
 from ..errors import LonggenError
-from .engine_common import DRAFT_FIELD, draft_dirs, effective_config, finished_early, ray_node
+from .engine_common import effective_config, finished_early, ray_node
 from .messages import EngineInfo, Finished, Progress, Segment, Task
 
 DEFAULTS_FILE = "longgen.toml"
@@ -54,8 +54,9 @@ def engine_kwargs(model_path: str, draft_dir: str | None, config: GenerateConfig
     algorithm = SPECULATIVE_ALGORITHMS.get(config.method)
     if algorithm is not None:
         if draft_dir is None:
-            field = DRAFT_FIELD[config.method]
-            raise LonggenError(f"{config.method} needs its draft checkpoint: set `{field}` in the job "
+            from ..runtime import DRAFT_FIELD
+
+            raise LonggenError(f"{config.method} needs its draft checkpoint: set `{DRAFT_FIELD[config.method]}` in the job "
                                f"(none found inside {model_path})")
         kw.update(speculative_algorithm=algorithm, speculative_draft_model_path=draft_dir,
                   disable_overlap_schedule=True)
@@ -126,7 +127,7 @@ class SGLangEngine:
 
     def __init__(self, index: int, model: str, drafts: dict[str, str | None], generation: dict[str, Any],
                  tp_size: int = 1, sglang_kwargs: dict[str, Any] | None = None):
-        from ..runtime import resolve_model
+        from ..runtime import DRAFT_FIELD, draft_dirs, resolve_model
         from ..runtime.embedded import ALIASES, SPECS
 
         self.index = index

@@ -31,7 +31,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..cluster.engine_common import DRAFT_FIELD
 from ..config import SPECULATIVE_ALGORITHMS
 from ..errors import LonggenError
 from .engine_bench import first_difference
@@ -68,6 +67,7 @@ def make_drafts(root: Path, methods: list[str], config: dict, partial_kv_budget:
 
 
 def prepare(args: argparse.Namespace) -> None:
+    from ..runtime import DRAFT_FIELD
     from .gpu_check import SHAPES
 
     root = Path(args.dir)

@@ -44,7 +44,7 @@ from ..bench import engine_bench
 from ..config import load_toml
 from ..errors import LonggenError
 from . import eval as eval_cmd
-from .generate import add_model_args, read_prompts, resolve_config
+from .generate import add_model_args, args_draft_dirs, read_prompts, resolve_config
 
 DECODINGS = ("greedy", "sampled")
 ENGINES = ("runtime", "sglang")
@@ -644,11 +644,11 @@ def engine_settings(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]
 
 
 def engine_drafts(args: argparse.Namespace, model_dir: Path) -> dict[str, Path | None]:
-    from ..runtime import default_drafter_dir, default_heads_dir, default_longspec_dir
+    """Each speculative method's draft directory (``--heads``, ``--drafter``, ``--longspec-drafter``, else the model's)."""
+    from ..runtime import DRAFT_FIELD
 
-    owl = args.drafter or default_drafter_dir(model_dir)
-    return {"tokenswift": args.heads or default_heads_dir(model_dir), "owl": owl, "howl": owl,
-            "longspec": args.longspec_drafter or default_longspec_dir(model_dir)}
+    dirs = args_draft_dirs(args, model_dir)
+    return {method: dirs[field] for method, field in DRAFT_FIELD.items()}
 
 
 def previous_run(args: argparse.Namespace, methods: list[str]) -> dict:

@@ -23,11 +23,11 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     loaded = None
     for method in ("ar", "tokenswift"):
-        config, heads_dir = resolve_config(args, model_dir, method=method)
+        config, dirs = resolve_config(args, model_dir, method=method)
         if loaded is None:
             loaded = load_model(model_dir, config.runtime.dtype, config.runtime.device)
             prompt_ids = loaded.tokenizer.encode(args.prompt)
-        decoder = build_decoder(loaded, config, heads_dir)
+        decoder = build_decoder(loaded, config, dirs["heads"])
         with TokenProgress(config.max_new_tokens, desc=method) as bar:
             results[method] = decoder.generate(prompt_ids, config.max_new_tokens, bar.update)
 

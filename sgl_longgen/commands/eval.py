@@ -21,7 +21,7 @@ from pathlib import Path
 from ..config import GenerateConfig
 from ..errors import LonggenError
 from ..runtime import build_decoder, load_model, resolve_model
-from .generate import add_model_args, add_sampling_args, drafter_dir_for, longspec_dir_for, read_prompts, resolve_config
+from .generate import add_model_args, add_sampling_args, read_prompts, resolve_config
 from .progress import TokenProgress
 
 BASELINE = "ar"
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         setting = argparse.Namespace(**{**vars(args), "penalty": theta})
         baseline_outputs: dict[str, list[int]] = {}
         for method in methods:
-            config, heads_dir = resolve_config(setting, model_dir, method=method)
+            config, dirs = resolve_config(setting, model_dir, method=method)
             if loaded is None:
                 loaded = load_model(model_dir, config.runtime.dtype, config.runtime.device)
                 if config.runtime.threads:
@@ -156,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
                     torch.set_num_threads(config.runtime.threads)
                 prompts = read_prompts(args, loaded.tokenizer)
             greedy = config.sampling.greedy
-            decoder = build_decoder(loaded, config, heads_dir, drafter_dir_for(args, model_dir),
-                                    longspec_dir_for(args, model_dir))
+            decoder = build_decoder(loaded, config, dirs["heads"], dirs["drafter"], dirs["longspec_drafter"])
             row = Row(penalty=config.sampling.penalty, method=method)
             for item in prompts:
                 with TokenProgress(config.max_new_tokens, desc=f"theta={row.penalty:g} {method} {item['id']}") as bar:

@@ -8,13 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import GenerateConfig, load_generate_config, load_toml, merge
+from ..config import GenerateConfig, load_toml, merge
 from ..errors import LonggenError
-from ..runtime import (
-    build_decoder, default_drafter_dir, default_heads_dir, default_longspec_dir, load_model, resolve_model,
-)
+from ..runtime import build_decoder, draft_dirs, layered_config, load_model, resolve_model
 from ..runtime.embedded import names as embedded_names
-from ..runtime import heads_defaults_file
 from .progress import TokenProgress
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
@@ -95,42 +92,23 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def resolve_config(args: argparse.Namespace, model_dir: Path, method: str | None = None) -> tuple[GenerateConfig, Path | None]:
+def resolve_config(args: argparse.Namespace, model_dir: Path,
+                   method: str | None = None) -> tuple[GenerateConfig, dict[str, Path | None]]:
     """Defaults < the heads' longgen.toml < (owl/howl, longspec) the drafter's longgen.toml < --config < flags.
 
-    Returns the config and heads dir.
+    Returns the config and the draft directories by field (``heads``, ``drafter``, ``longspec_drafter``).
     """
     overrides = overrides_from_args(args)
     if method is not None:
         overrides["method"] = method
-    heads_dir = args.heads or default_heads_dir(model_dir)
-    base: dict[str, Any] = {}
-    defaults = heads_defaults_file(heads_dir)
-    if defaults is not None:
-        base = load_toml(defaults)
     config_file = load_toml(args.config) if args.config is not None else {}
-
-    def build(drafter_defaults: dict[str, Any]) -> GenerateConfig:
-        layers = merge(merge(base, drafter_defaults), config_file)
-        return load_generate_config(None, merge(layers, overrides) if layers else overrides)
-
-    config = build({})
-    drafter_dir = {"owl": drafter_dir_for, "howl": drafter_dir_for, "longspec": longspec_dir_for}.get(config.method)
-    if drafter_dir is not None:
-        drafter_defaults = heads_defaults_file(drafter_dir(args, model_dir))
-        if drafter_defaults is not None:
-            config = build(load_toml(drafter_defaults))
-    return config, heads_dir
+    dirs = args_draft_dirs(args, model_dir)
+    return layered_config(dirs, merge(config_file, overrides), "from the command line"), dirs
 
 
-def drafter_dir_for(args: argparse.Namespace, model_dir: Path) -> Path | None:
-    """``--drafter`` or the model's own ``owl-drafter/``."""
-    return getattr(args, "drafter", None) or default_drafter_dir(model_dir)
-
-
-def longspec_dir_for(args: argparse.Namespace, model_dir: Path) -> Path | None:
-    """``--longspec-drafter`` or the model's own ``longspec-drafter/``."""
-    return getattr(args, "longspec_drafter", None) or default_longspec_dir(model_dir)
+def args_draft_dirs(args: argparse.Namespace, model_dir: Path) -> dict[str, Path | None]:
+    """``--heads``, ``--drafter``, ``--longspec-drafter``, each else the model's own."""
+    return draft_dirs(model_dir, {f: getattr(args, f, None) for f in ("heads", "drafter", "longspec_drafter")})
 
 
 def read_prompts(args: argparse.Namespace, tokenizer) -> list[dict[str, Any]]:
@@ -166,13 +144,13 @@ def read_prompts(args: argparse.Namespace, tokenizer) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
-    config, heads_dir = resolve_config(args, model_dir)
+    config, dirs = resolve_config(args, model_dir)
     loaded = load_model(model_dir, config.runtime.dtype, config.runtime.device)
     if config.runtime.threads:
         import torch
 
         torch.set_num_threads(config.runtime.threads)
-    decoder = build_decoder(loaded, config, heads_dir, drafter_dir_for(args, model_dir), longspec_dir_for(args, model_dir))
+    decoder = build_decoder(loaded, config, dirs["heads"], dirs["drafter"], dirs["longspec_drafter"])
     prompts = read_prompts(args, loaded.tokenizer)
 
     out = open(args.out, "w") if args.out else None

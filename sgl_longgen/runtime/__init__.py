@@ -7,8 +7,9 @@ and ``demo``, and the home of training code.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from ..config import GenerateConfig
+from ..config import GenerateConfig, convert, load_toml, merge
 from ..core.heads import load_heads
 from ..core.longspec import load_drafter as load_longspec_drafter
 from ..core.longspec import target_settings
@@ -30,7 +31,8 @@ from .tokenswift import TokenSwiftDecoder
 
 __all__ = [
     "ARDecoder", "Decoder", "GenerationResult", "HowlDecoder", "LoadedModel", "LongSpecDecoder", "OwlDecoder",
-    "TokenSwiftDecoder", "build_decoder", "default_drafter_dir", "default_heads_dir", "default_longspec_dir",
+    "DRAFT_FIELD", "TokenSwiftDecoder", "build_decoder", "default_drafter_dir", "default_heads_dir",
+    "default_longspec_dir", "draft_dirs", "layered_config",
     "load_model", "resolve_model",
 ]
 
@@ -63,6 +65,36 @@ def default_longspec_dir(model_dir: Path | None) -> Path | None:
         return None
     d = Path(model_dir) / LONGSPEC_SUBDIR
     return d if d.is_dir() else None
+
+
+# The draft checkpoint each speculative method reads, by the name `generate` (--heads, --drafter,
+# --longspec-drafter) and batch jobs give its directory.
+DRAFT_FIELD = {"tokenswift": "heads", "owl": "drafter", "howl": "drafter", "longspec": "longspec_drafter"}
+
+
+def draft_dirs(model_dir: Path | None, given: dict[str, Any]) -> dict[str, Path | None]:
+    """Every draft directory by field: the one given, else the one inside the model directory
+    (embedded models ship all three), else None."""
+    shipped = {"heads": default_heads_dir, "drafter": default_drafter_dir, "longspec_drafter": default_longspec_dir}
+    return {f: Path(given[f]) if given.get(f) else (find(model_dir) if model_dir is not None else None)
+            for f, find in shipped.items()}
+
+
+def layered_config(dirs: dict[str, Path | None], settings: dict[str, Any], source: str) -> GenerateConfig:
+    """Built-in defaults < the heads' ``longgen.toml`` < (owl, howl, longspec) the method's drafter's
+    ``longgen.toml`` < ``settings``. The heads ship with the model, so their defaults hold for every
+    method; a drafter's only for the methods that draft with it, and the method is known only once
+    the lower layers are read."""
+    def layer(base: dict[str, Any], directory: Path | None) -> dict[str, Any]:
+        f = heads_defaults_file(directory)
+        return merge(base, load_toml(f)) if f is not None else base
+
+    base = layer({}, dirs.get("heads"))
+    config = convert(merge(base, settings), GenerateConfig, source)
+    field = DRAFT_FIELD.get(config.method)
+    if field is not None and field != "heads" and heads_defaults_file(dirs.get(field)) is not None:
+        config = convert(merge(layer(base, dirs.get(field)), settings), GenerateConfig, source)
+    return config
 
 
 def build_decoder(loaded: LoadedModel, config: GenerateConfig, heads_dir: Path | None = None,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_longgen.cluster.engine_common import DRAFT_FIELD, draft_dirs, effective_config
+from sgl_longgen.cluster.engine_common import effective_config
 from sgl_longgen.cluster.sglang_engine import draft_dir_for, engine_kwargs, request_args
 from sgl_longgen.config import SPECULATIVE_ALGORITHMS
 from sgl_longgen.errors import LonggenError
-from sgl_longgen.runtime import resolve_model
+from sgl_longgen.runtime import DRAFT_FIELD, draft_dirs, resolve_model
 from sgl_longgen.sglang.draft_dir import read_defaults
 
 GENERATION = {"ignore_eos": True, "sampling": {"temperature": 0.0, "penalty": 1.2, "penalty_window": 48},
