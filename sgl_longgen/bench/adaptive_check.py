@@ -18,7 +18,11 @@ captured), ms per generated token, measured as the wall time of an ``N + 1``-tok
   whole requests and steady (the same two figures).
 
 Each speculative request asks for the adaptive report; the last step's running figures
-(speculative/plain steps, tau, the shape's measured step costs) go in the JSON beside the times.
+(speculative/plain steps, steps taken on the method's hint, tau, the shape's measured step costs)
+go in the JSON beside the times. ``--timeline``: one more sampled and one more greedy ``2N``-token
+request at the first context with the step timing on (``longgen_timing = "host"``): per step, the
+token it started at, its kind and its sections (``timeline`` in the JSON), to see where a whole
+request's time beyond the steady rate goes.
 
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms TOKENSWIFT
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms OWL HOWL --skip-plain
@@ -38,7 +42,8 @@ from .. import env
 from ..sglang.engine import open_engine, stop_engine
 from .gpu_check import make_checkpoints, make_owl_drafter
 
-REPORT_KEYS = ("longgen_spec_steps", "longgen_plain_steps", "longgen_tau", "longgen_spec_ms", "longgen_plain_ms")
+REPORT_KEYS = ("longgen_spec_steps", "longgen_plain_steps", "longgen_hinted_steps", "longgen_tau", "longgen_spec_ms",
+               "longgen_plain_ms")
 
 
 def engine(model: Path, algorithm: str | None, draft: Path | None, args):
@@ -61,6 +66,19 @@ def final_report(meta: dict) -> dict:
         if values:
             out[key[len("longgen_"):]] = values[-1]
     return out
+
+
+def timeline(meta: dict) -> list[dict]:
+    """Per step (its values sit on the first token it committed): the token index and the
+    step's ``longgen_*`` values, rounded."""
+    series = {k[len("longgen_"):]: v for k, v in meta.items() if k.startswith("longgen_") and isinstance(v, list)}
+    n = max((len(v) for v in series.values()), default=0)
+    rows = []
+    for i in range(n):
+        row = {k: v[i] for k, v in series.items() if i < len(v) and v[i] is not None}
+        if row:
+            rows.append({"token": i, **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}})
+    return rows
 
 
 def timed_generate(eng, prompts: list[list[int]], params: dict, n: int) -> tuple[float, list[dict]]:
@@ -115,6 +133,15 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
             on = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on"}}
             row["greedy_on_ms"], rep = ms_per_token(eng, [prompt], on, args.tokens, prefill)
             row["greedy_on_report"] = rep[0]
+        if spec and args.timeline and L == args.contexts[0]:
+            row["timeline"] = {}
+            for name, params in (("sampled", sampled), ("greedy", greedy)):
+                timed = {**params, "max_new_tokens": 2 * args.tokens + 1,
+                         "custom_params": {"longgen_report": True, "longgen_timing": "host"}}
+                t = time.time()
+                out = eng.generate(input_ids=prompt, sampling_params=timed)
+                row["timeline"][name] = {"wall_s": round(time.time() - t, 4),
+                                         "steps": timeline(out["meta_info"])}
         print(f"  {L}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         result[str(L)] = row
     if args.batch:
@@ -144,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--owl-width", type=int, default=1024)
     p.add_argument("--owl-draft-vocab", type=int, default=32768)
+    p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
     args = p.parse_args(argv)
 
     report = json.loads(args.out.read_text()) if args.out.exists() else {}

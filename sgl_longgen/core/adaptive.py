@@ -53,6 +53,21 @@ step in ``full_every`` and every probe take the full draft, so every width's est
 getting samples (and a width's cost is re-measured whenever it is taken: one measured at a
 shorter context looks cheap, gets taken, and is priced again).
 
+Method hints (``hint``): a method whose draft draws on the committed history (HOWL's suffix
+chain, TokenSwift's continuation of the history) can tell, before any draft forward, how many
+tokens that part of its draft is expected to get accepted (its suffix draft's score). Statistics
+of past steps see a loop that starts in the middle of a plain stretch only at the next probe,
+which may be many plain steps away; a hint sees it at once. So :meth:`AdaptiveController.decide`
+takes the hint as a second estimate: a step speculates when either its statistics or
+``1 + scale * hint`` tokens pay for it. ``scale`` calibrates the method's scores: the decayed
+ratio of the draft tokens accepted to the hints given over the speculative steps that had one
+(1 until there are any), so a method whose scores promise more than its steps deliver soon needs
+a far higher score to be believed. A hint costs host time (a walk of the suffix index), so it is
+asked for only where it can change the step (plain steps win) and at most every so many plain
+steps that hints take :data:`HINT_SHARE` of the plain time (:meth:`AdaptiveController.hint_due`,
+with the runtime's measured seconds per hint). Lossless for the same reason: a hint is a
+function of the committed tokens only.
+
 A batch takes one kind of step (:func:`decide_batch`): the controllers of its requests share
 the costs of the batch's shape (:class:`CostTable`: measured per batch size and context length,
 which is what a step's price depends on) and the batch speculates when the requests' expected
@@ -72,6 +87,8 @@ from collections.abc import Callable, Sequence
 from ..config import AdaptiveConfig
 
 SPECULATE, PLAIN = "speculate", "plain"
+# Hints take at most this share of the time of the plain steps between them.
+HINT_SHARE = 0.02
 
 
 class DecayedMean:
@@ -219,6 +236,13 @@ class AdaptiveController:
         self.width: int | None = None  # the width the last decide() chose
         self.since_full = 0  # speculative steps since the last one over the full draft
         self._forced = False  # the last decide()'s width was not a free choice (warm-up, probe, ...)
+        # Method hints: draft tokens accepted and hinted over the speculative steps that had a hint.
+        self.hint_accepted = DecayedMean(config.decay)
+        self.hint_given = DecayedMean(config.decay)
+        self.hinted_steps = 0  # speculative steps taken on a hint alone
+        self.hint_cost = RecentMedian()  # seconds the runtime took for a hint
+        self.since_hint = 0  # plain steps since the last hint
+        self._hinted = False
 
     # -- the decision --------------------------------------------------------------------------
 
@@ -241,9 +265,28 @@ class AdaptiveController:
         full-draft refresh, a width's first measurement): a batch serves it (:func:`batch_width`)."""
         return self._forced
 
+    @property
+    def hinted(self) -> bool:
+        """The last :meth:`decide` speculates on the method's hint alone."""
+        return self._hinted
+
     def expected(self) -> float | None:
         """Tokens a speculative step is expected to commit (None: no evidence yet)."""
         return self.committed.value
+
+    def hint_scale(self) -> float:
+        """Draft tokens accepted per hinted token, over the past steps that had a hint (1: none yet)."""
+        given = self.hint_given.total
+        return self.hint_accepted.total / given if given > 0 else 1.0
+
+    def expected_from_hint(self, hint: float | None) -> float | None:
+        """Tokens a speculative step is expected to commit by the method's ``hint`` (None: no hint)."""
+        return None if hint is None else 1.0 + self.hint_scale() * max(0.0, hint)
+
+    def estimate(self, hint: float | None = None) -> float | None:
+        """The larger of the two estimates (statistics, hint) of a speculative step's tokens."""
+        values = [e for e in (self.committed.value, self.expected_from_hint(hint)) if e is not None]
+        return max(values) if values else None
 
     def expected_at(self, width: int | None) -> float | None:
         """Tokens a speculative step at ``width`` is expected to commit (None: no evidence yet;
@@ -297,12 +340,37 @@ class AdaptiveController:
             return None, True  # keep the wider widths' estimates fresh
         return width, False
 
-    def decide(self, costs: StepCosts | None = None) -> str:
+    def hint_due(self, costs: StepCosts | None = None) -> bool:
+        """Whether the next :meth:`decide` wants the method's hint: only where one can change the
+        step (past the warm-up, plain steps winning) and once the plain steps since the last hint
+        took ``1 / HINT_SHARE`` times a hint's measured cost."""
+        costs = costs or self.costs
+        plain = costs.plain.value
+        if self.spec_steps < self.config.warmup or plain is None or self.worth(costs):
+            return False
+        cost = self.hint_cost.value
+        return cost is None or self.since_hint * plain * HINT_SHARE >= cost
+
+    def record_hint(self, seconds: float) -> None:
+        """The runtime took ``seconds`` to compute a hint."""
+        self.hint_cost.add(seconds)
+        self.since_hint = 0
+
+    def hint_pays(self, hint: float | None, costs: StepCosts | None = None) -> bool:
+        """The method's ``hint`` alone makes a speculative step (over the full draft) pay."""
+        costs = costs or self.costs
+        e, spec, plain = self.expected_from_hint(hint), costs.spec.value, costs.plain.value
+        if e is None or plain is None:
+            return False
+        return spec is None or e * plain >= spec
+
+    def decide(self, costs: StepCosts | None = None, hint: float | None = None) -> str:
         """``"speculate"`` or ``"plain"`` for the next step (call once per step; ``costs``: the
-        shape's shared costs in an engine)."""
+        shape's shared costs in an engine; ``hint``: the method's estimate of the draft tokens its
+        next draft gets accepted, from the committed history alone, None: none)."""
         cfg = self.config
         costs = costs or self.costs
-        self._probing = False
+        self._probing = self._hinted = False
         self.width, self._forced = None, False  # warm-up and probes: the full draft, due
         if self.spec_steps < cfg.warmup:
             self._forced = bool(self.widths)
@@ -313,6 +381,10 @@ class AdaptiveController:
             if cfg.refresh_every and self.since_plain >= cfg.refresh_every:
                 return PLAIN  # keep the plain cost current while speculating
             self.width, self._forced = self._choose_width(costs)
+            return SPECULATE
+        if self.hint_pays(hint, costs):
+            self._hinted = True
+            self._forced = bool(self.widths)  # the hint is the whole draft's
             return SPECULATE
         spec = costs.spec.value if costs.spec.value is not None else costs.plain.value
         if self.since_spec * costs.plain.value >= self.interval * spec:
@@ -342,7 +414,8 @@ class AdaptiveController:
 
     def record_spec(self, committed: int, seconds: float | None = None, source: str | None = None,
                     probe: bool | None = None, costs: StepCosts | None = None, width: int | None = None,
-                    nodes: Sequence[int] | None = None) -> None:
+                    nodes: Sequence[int] | None = None, hint: float | None = None,
+                    hinted: bool | None = None) -> None:
         """A speculative step committed ``committed`` tokens in ``seconds`` (None: the engine
         records the batch's seconds in the shared costs). ``probe``: whether the step was taken as
         a probe (default: what the last :meth:`decide` said; an engine that decides the next step
@@ -350,11 +423,21 @@ class AdaptiveController:
         which judge whether a probe paid (a controller's own are empty there). ``width``: the
         ``max_nodes`` the step drafted with (None: the full draft); ``nodes``: the accepted path's
         node positions in the trie, the root first (then every width up to ``width`` gets its
-        counterfactual sample; without them only ``width`` gets ``committed``)."""
+        counterfactual sample; without them only ``width`` gets ``committed``). ``hint``: the
+        method's hint the step was decided with (it calibrates later hints); ``hinted``: whether
+        it was taken on that hint alone (default: what the last :meth:`decide` said)."""
         if probe is not None:
             self._probing = probe
+        if hinted is None:
+            hinted = self._hinted
         self._tick()
         self.committed.add(committed)
+        if hint is not None and hint > 0:
+            self.hint_accepted.add(max(0, committed - 1))
+            self.hint_given.add(hint)
+        if hinted:
+            self.hinted_steps += 1
+            self._hinted = False
         if source is not None:
             mean = self.by_source.get(source)
             if mean is None:
@@ -399,6 +482,8 @@ class AdaptiveController:
             mean.tick()
         for mean in self.at_width.values():
             mean.tick()
+        self.hint_accepted.tick()
+        self.hint_given.tick()
 
     def record_plain(self, seconds: float | None = None) -> None:
         """A plain step (one token) took ``seconds`` (None: recorded by the engine)."""
@@ -407,11 +492,13 @@ class AdaptiveController:
             self.costs.plain.add(seconds)
         self.plain_steps += 1
         self.since_spec += 1
+        self.since_hint += 1
         self.since_plain = 0
-        self._probing = False
+        self._probing = self._hinted = False
 
 
-def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tuple[str, list[bool]]:
+def decide_batch(controllers: list[AdaptiveController], costs: StepCosts,
+                 hints: Sequence[float | None] | None = None) -> tuple[str, list[bool]]:
     """One kind of step for a batch, and which requests take it as a probe.
 
     Each request's controller decides against the batch shape's ``costs``. If they agree, that
@@ -421,23 +508,26 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts) -> tup
     ``sum(E_i) / spec_cost >= n / plain_cost``; a request's due probe or warm-up is served when
     that holds and deferred otherwise. With widths, iff that holds at some measured width (each
     width's expectations over its own cost); :func:`batch_width` then picks the width.
+    ``hints``: each request's method hint (see :meth:`AdaptiveController.decide`), which raises
+    its expectation to :meth:`AdaptiveController.estimate`.
     """
-    kinds = [c.decide(costs) for c in controllers]
+    hints = list(hints) if hints is not None else [None] * len(controllers)
+    kinds = [c.decide(costs, h) for c, h in zip(controllers, hints)]
     if all(k == kinds[0] for k in kinds):
         kind = kinds[0]
     else:
         spec, plain = costs.spec.value, costs.plain.value
         if spec is None or plain is None:
             kind = SPECULATE if plain is not None else PLAIN
-        elif controllers[0].widths:
+        elif controllers[0].widths and not any(c.hinted for c in controllers):
             n = len(controllers)
             pays = any(_batch_expected(controllers, w, cost, plain) * plain >= n * cost
                        for w, cost in _measured_widths(controllers[0], costs))
             kind = SPECULATE if pays else PLAIN
         else:
             expected = 0.0
-            for c in controllers:
-                e = c.expected()
+            for c, h in zip(controllers, hints):
+                e = c.estimate(h)
                 expected += e if e is not None else spec / plain
             kind = SPECULATE if expected * plain >= len(controllers) * spec else PLAIN
     probes = [kind == SPECULATE and c.probing for c in controllers]

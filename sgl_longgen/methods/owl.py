@@ -23,7 +23,7 @@ import torch
 from ..config import HowlConfig, OwlConfig, SuffixConfig
 from ..core.howl import HowlPolicy, HowlState, Route
 from ..core.owl import DraftBeam, attach_spec_leaves, beam_trees
-from ..core.suffix import SuffixCache
+from ..core.suffix import SuffixCache, SuffixDraft
 from ..core.tree import DraftTree, Source
 from ..core.verify import Verdict
 from .base import Draft
@@ -78,6 +78,13 @@ class Owl:
         """The suffix chain :meth:`route` chose for a linear round (HOWL)."""
         return []
 
+    def history_hint(self, state: OwlState, rid: Hashable, history: Sequence[int],
+                     max_chain: int | None = None) -> float | None:
+        """Draft tokens this step's draft is expected to get accepted, judged from the committed
+        history before any draft forward (adaptive speculation's hint); None: no such estimate
+        (OWL's tree needs its drafter)."""
+        return None
+
     # -- the step ------------------------------------------------------------------------------
 
     def propose(self, rids: Sequence[Hashable], states: Sequence[OwlState], roots: Sequence[int],
@@ -131,6 +138,9 @@ class Howl(Owl):
         self.policy = HowlPolicy(howl, spec=config.spec)
         self.suffix = SuffixCache(suffix)
         self._chains: dict[Hashable, list[int]] = {}
+        # The last suffix draft per request, keyed by (history length, max_chain): a hint and the
+        # route of the same step share one walk of the index.
+        self._scored: dict[Hashable, tuple[int, int | None, SuffixDraft]] = {}
 
     def start(self, rid, history, h_last, h_spec=None) -> OwlState:
         state = OwlState(h_last, h_spec, HowlState(has_spec=False))
@@ -140,14 +150,31 @@ class Howl(Owl):
     def finish(self, rid) -> None:
         self.suffix.stop_request(rid)
         self._chains.pop(rid, None)
+        self._scored.pop(rid, None)
 
     def reset(self) -> None:
         self.suffix = SuffixCache(self.suffix_config)
         self._chains.clear()
+        self._scored.clear()
+
+    def _suffix_draft(self, rid, history, max_chain) -> SuffixDraft:
+        key = (len(history), max_chain)
+        cached = self._scored.get(rid)
+        if cached is not None and cached[:2] == key:
+            return cached[2]
+        draft = self.suffix.speculate(rid, history, max_chain)
+        self._scored[rid] = (*key, draft)
+        return draft
+
+    def history_hint(self, state, rid, history, max_chain=None) -> float | None:
+        """The suffix chain's score when this step would verify it (above the threshold c); None
+        when the step drafts an OWL tree."""
+        draft = self._suffix_draft(rid, history, max_chain)
+        return draft.score if draft.score > self.policy.threshold else None
 
     def route(self, state, rid, history, max_chain=None) -> Route | None:
         # The chain is scored as it will be verified: cut to the width before it is compared with c.
-        draft = self.suffix.speculate(rid, history, max_chain)
+        draft = self._suffix_draft(rid, history, max_chain)
         if state.h_last is None and draft.score <= self.policy.threshold:
             return None
         state.howl.has_spec = state.h_spec is not None

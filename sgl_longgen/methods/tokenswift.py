@@ -40,6 +40,7 @@ class TokenSwiftState:
     suffix: SuffixIndex | None = None
     indexed: int = 0  # history tokens in the suffix index
     continuation: list[int] = field(default_factory=list)  # the history's draft for this step
+    continuation_score: float = 0.0  # its expected accepted tokens (the suffix draft's score)
     slots: Any = None
 
 
@@ -134,11 +135,25 @@ class TokenSwift:
             ng = self.config.ngram
             exclude = sampling.penalty_window if (ng.exclude_penalty_window and sampling.penalty_active) else 0
             state.pool.extend(history, len(history) - exclude)
-        if state.suffix is not None:
+        if state.suffix is not None and state.indexed != len(history):
             state.suffix.extend(history[state.indexed :])
             state.indexed = len(history)
             # The request's own history: its draft reads as history, a loop drafts the whole budget.
-            state.continuation = state.suffix.draft(history, self.suffix, own=True).tokens
+            draft = state.suffix.draft(history, self.suffix, own=True)
+            state.continuation, state.continuation_score = draft.tokens, draft.score
+
+    def history_hint(self, state: TokenSwiftState, history: Sequence[int], sampling: SamplingConfig) -> float | None:
+        """Draft tokens the history's continuation is expected to get accepted (its suffix draft's
+        score), before any draft forward (None: no continuation drafted); indexes ``history``.
+
+        Adaptive speculation's hint (:mod:`sgl_longgen.core.adaptive`): a function of the committed
+        tokens alone. The continuation is part of every trie this method drafts, so its score is a
+        floor of what the trie is expected to get accepted.
+        """
+        if state.suffix is None:
+            return None
+        self.index(state, history, sampling)
+        return state.continuation_score
 
     @staticmethod
     def penalty_window(history: Sequence[int], sampling: SamplingConfig) -> set[int] | None:

@@ -41,6 +41,7 @@ class Stats:
 
     steps: int = 0
     plain_steps: int = 0  # steps a speculative method took as plain decode steps (adaptive speculation)
+    hinted_steps: int = 0  # speculative steps adaptive speculation took on the method's hint alone
     # Speculative steps per draft width ("full": the whole draft), with adaptive widths only.
     width_steps: dict[str, int] = field(default_factory=dict)
     accepted: int = 0  # accepted draft tokens (bonus excluded)
@@ -132,9 +133,20 @@ class Decoder(ABC):
         self.after_plain_step(h, tok)
         return [tok]
 
+    def hint(self) -> float | None:
+        """Draft tokens the next step's draft is expected to get accepted, judged from the
+        committed history alone (adaptive speculation's hint, see :mod:`sgl_longgen.core.adaptive`);
+        None: the method has no such estimate."""
+        return None
+
     def adaptive_step(self, controller: AdaptiveController) -> list[int]:
         """The step the controller picks (with its draft width), timed and reported back to it."""
-        if controller.decide() == PLAIN:
+        hint = None
+        if controller.hint_due():
+            t = time.perf_counter()
+            hint = self.hint()
+            controller.record_hint(time.perf_counter() - t)
+        if controller.decide(hint=hint) == PLAIN:
             t = time.perf_counter()
             new = self.plain_step()
             controller.record_plain(time.perf_counter() - t)
@@ -147,7 +159,8 @@ class Decoder(ABC):
                 seconds = time.perf_counter() - t
             finally:
                 self.max_nodes = None
-            controller.record_spec(len(new), seconds, self.step_source, width=width, nodes=self.step_nodes)
+            self.stats.hinted_steps += controller.hinted
+            controller.record_spec(len(new), seconds, self.step_source, width=width, nodes=self.step_nodes, hint=hint)
             if controller.widths:
                 key = "full" if width is None else str(width)
                 self.stats.width_steps[key] = self.stats.width_steps.get(key, 0) + 1

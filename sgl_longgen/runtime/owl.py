@@ -130,12 +130,16 @@ class OwlDecoder(Decoder):
                             self.model.model.norm(self._plain_h[-1]), None)
         self._plain_tokens = []
 
+    @staticmethod
+    def _chain(width: int | None) -> int | None:
+        return None if width is None else width - 1
+
     def step(self) -> list[int]:
         t = time.perf_counter()
         if self._plain_tokens:
             self._catch_up()
         width = self.max_nodes
-        route = self.method.route(self.state, RID, self.history, None if width is None else width - 1)
+        route = self.method.route(self.state, RID, self.history, self._chain(width))
         (draft,) = self.method.propose([RID], [self.state], [self.history[-1]], [route], width)
         t_draft = time.perf_counter()
         verdict = self.verify(draft)
@@ -159,3 +163,9 @@ class HowlDecoder(OwlDecoder):
 
     def _method(self, config: GenerateConfig, beam, spec_id: int) -> Howl:
         return Howl(config.owl, beam, spec_id, config.suffix, config.howl)
+
+    def hint(self) -> float | None:
+        """The suffix chain's score when the next step would verify it."""
+        if self._plain_tokens:  # the suffix index must hold what the plain steps drew
+            self._catch_up()
+        return self.method.history_hint(self.state, RID, self.history)

@@ -62,6 +62,9 @@ class TokenSwiftDecoder(Decoder):
         index catch up with the history at the next draft (:meth:`TokenSwift.index`)."""
         self.method.observe(self.state, self.length)
 
+    def hint(self) -> float | None:
+        return self.method.history_hint(self.state, self.history, self.sampling)
+
     def draft(self) -> Draft:
         """The root over the partial KV (scoring the committed keys when a selection is due)."""
         dev = self.model.device

@@ -11,7 +11,8 @@ what differs in a serving engine:
   drafts set up its method: TOKENSWIFT scores the whole context to select its partial KV, half
   a second at 98K on an H100, once per request and selection, not the price of a step).
 * **One kind per step.** :func:`~sgl_longgen.core.adaptive.decide_batch` combines the requests'
-  controllers.
+  controllers, each with its method's hint (the drafter's ``hint``: HOWL's suffix chain score,
+  TOKENSWIFT's continuation score, from the committed tokens alone).
 * **Decided a step ahead.** Drafters queue the next draft behind this step's commit; if the next
   step is plain that draft would be wasted, so the next step's kind is decided before the queueing
   (from the steps before this one: lossless all the same, the choice never sees a token it
@@ -27,14 +28,16 @@ Per request, ``custom_params``:
   default is ``"auto"`` when the draft directory's ``[adaptive] enabled`` is true or
   ``SGLANG_LONGGEN_ADAPTIVE=1``, else ``"on"``.
 * ``longgen_report``: true to get, on the first token of each step in ``meta_info``, the request's
-  running ``longgen_spec_steps``, ``longgen_plain_steps``, ``longgen_tau`` (tokens per
-  speculative step), ``longgen_expected_tokens`` (the controller's estimate) and the shape's
-  measured ``longgen_spec_ms`` / ``longgen_plain_ms``.
+  running ``longgen_spec_steps``, ``longgen_plain_steps``, ``longgen_hinted_steps`` (speculative
+  steps taken on the method's hint alone), ``longgen_tau`` (tokens per speculative step),
+  ``longgen_expected_tokens`` (the controller's estimate) and the shape's measured
+  ``longgen_spec_ms`` / ``longgen_plain_ms``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -79,12 +82,14 @@ class RequestAdaptive:
     spec_steps: int = 0
     plain_steps: int = 0
     spec_tokens: int = 0
+    hinted_steps: int = 0
 
 
 @dataclass
 class _Step:
     kind: str
     probes: dict[str, bool] = field(default_factory=dict)
+    hints: dict[str, tuple[float | None, bool]] = field(default_factory=dict)  # rid: (hint, taken on it)
     costs: StepCosts | None = None
     started: float = 0.0
     priced: bool = True  # its cycle is a sample of its shape's cost
@@ -94,12 +99,13 @@ class _Step:
 class AdaptiveSteps:
     """The worker's choice of each step's kind, its cost table and the per-request reports."""
 
-    def __init__(self, config: AdaptiveConfig):
+    def __init__(self, config: AdaptiveConfig, hint: Callable[[object], float | None] | None = None):
         self.config = config
         self.default = AUTO if config.enabled else ON
         self.costs = CostTable(config.decay)
+        self.hint = hint  # a step request's method hint (None: the drafter has none)
         self._current: _Step | None = None  # the step in progress, then the last one (its cycle)
-        self._planned: tuple[frozenset, str, dict[str, bool]] | None = None
+        self._planned: tuple[frozenset, str, dict[str, bool], dict] | None = None
 
     # -- per request -------------------------------------------------------------------------
 
@@ -131,10 +137,10 @@ class AdaptiveSteps:
         rids = frozenset(s.rid for s in steps)
         costs = self._costs(steps, 0)
         if planned is not None and planned[0] == rids:
-            kind, probes = planned[1], planned[2]
+            kind, probes, hints = planned[1:]
         else:
-            kind, probes = self._decide(steps, states, costs)
-        self._current = _Step(kind, probes, costs, now)
+            kind, probes, hints = self._decide(steps, states, costs)
+        self._current = _Step(kind, probes, hints, costs, now)
         return kind
 
     def plan(self, steps, width: int) -> str:
@@ -145,14 +151,14 @@ class AdaptiveSteps:
         a probe is plain, and the one after that knows whether the probe paid.
         """
         states = [self.state(s) for s in steps]
-        kind, probes = self._decide(steps, states, self._costs(steps, width))
+        kind, probes, hints = self._decide(steps, states, self._costs(steps, width))
         cur = self._current
         if kind == SPECULATE and cur is not None and cur.kind == SPECULATE and cur.probes:
             deciding = [s.rid for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
             if deciding and all(cur.probes.get(rid, False) for rid in deciding) and all(
                     st.mode != ON for st in states):
-                kind, probes = PLAIN, {}
-        self._planned = (frozenset(s.rid for s in steps), kind, probes)
+                kind, probes, hints = PLAIN, {}, {}
+        self._planned = (frozenset(s.rid for s in steps), kind, probes, hints)
         return kind
 
     def plain_run_limit(self, steps) -> int:
@@ -172,24 +178,37 @@ class AdaptiveSteps:
     def _costs(self, steps, ahead: int) -> StepCosts:
         return self.costs.get(len(steps), max(s.seq_len for s in steps) + ahead)
 
-    def _decide(self, steps, states: list[RequestAdaptive], costs: StepCosts) -> tuple[str, dict[str, bool]]:
+    def _decide(self, steps, states: list[RequestAdaptive], costs: StepCosts) -> tuple[str, dict, dict]:
+        """The step's kind, which requests take it as a probe, and each deciding request's
+        (hint, whether the step is taken on it)."""
         modes = [st.mode for st in states]
         if ON in modes and all(st.mode != AUTO for st in states):
-            return SPECULATE, {}
+            return SPECULATE, {}, {}
         if all(m == OFF for m in modes):
-            return PLAIN, {}
+            return PLAIN, {}, {}
         auto = [(s, st) for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
+        hints = [self._hint(s, st.controller, costs) for s, st in auto]
         if ON in modes:
             kind = SPECULATE
             probes = {}
-            for s, st in auto:
-                st.controller.decide(costs)
+            for (s, st), h in zip(auto, hints):
+                st.controller.decide(costs, h)
                 probes[s.rid] = st.controller.probing
-            return kind, probes
+            return kind, probes, {s.rid: (h, False) for (s, _), h in zip(auto, hints)}
         if not auto:  # every request blocked or off: nothing to draft
-            return PLAIN, {}
-        kind, flags = decide_batch([st.controller for _, st in auto], costs)
-        return kind, {s.rid: p for (s, _), p in zip(auto, flags)}
+            return PLAIN, {}, {}
+        kind, flags = decide_batch([st.controller for _, st in auto], costs, hints)
+        return kind, {s.rid: p for (s, _), p in zip(auto, flags)}, {
+            s.rid: (h, kind == SPECULATE and st.controller.hinted) for (s, st), h in zip(auto, hints)}
+
+    def _hint(self, step, controller: AdaptiveController, costs: StepCosts) -> float | None:
+        """The drafter's hint for ``step`` where its controller wants one (timed for it)."""
+        if self.hint is None or not controller.hint_due(costs):
+            return None
+        t = time.perf_counter()
+        hint = self.hint(step)
+        controller.record_hint(time.perf_counter() - t)
+        return hint
 
     # -- what the step did -------------------------------------------------------------------
 
@@ -197,6 +216,7 @@ class AdaptiveSteps:
         """Each request's outcome (``counts``: tokens committed; a plain call that ran several
         plain steps committed one per step); returns the report values of the requests that asked."""
         probes = self._current.probes if self._current is not None else {}
+        hints = self._current.hints if self._current is not None else {}
         costs = self._current.costs if self._current is not None else None
         reports = []
         if kind == SPECULATE and self._current is not None:
@@ -205,15 +225,17 @@ class AdaptiveSteps:
             self._current.tokens = max(counts, default=1)
         for s, n in zip(steps, counts):
             st = self.state(s)
+            hint, hinted = hints.get(s.rid, (None, False))
             if kind == SPECULATE:
                 st.spec_steps += 1
                 st.spec_tokens += n
+                st.hinted_steps += hinted
             else:
                 st.plain_steps += n
             c = st.controller
             if c is not None and s.blocker is None:
                 if kind == SPECULATE:
-                    c.record_spec(n, probe=probes.get(s.rid, False), costs=costs)
+                    c.record_spec(n, probe=probes.get(s.rid, False), costs=costs, hint=hint, hinted=hinted)
                 else:
                     for _ in range(n):
                         c.record_plain()
@@ -232,6 +254,7 @@ class AdaptiveSteps:
         return {
             "longgen_spec_steps": st.spec_steps,
             "longgen_plain_steps": st.plain_steps,
+            "longgen_hinted_steps": st.hinted_steps,
             "longgen_tau": round(st.spec_tokens / st.spec_steps, 3) if st.spec_steps else None,
             "longgen_expected_tokens": None if expected is None else round(expected, 3),
             "longgen_spec_ms": ms(costs.spec if costs else None),

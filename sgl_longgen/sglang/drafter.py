@@ -46,6 +46,12 @@ class Drafter:
         """
         raise NotImplementedError
 
+    def hint(self, step: StepRequest) -> float | None:
+        """Draft tokens the request's next draft is expected to get accepted, judged from its
+        committed tokens (``step.history``) before any draft forward: adaptive speculation's hint
+        (:mod:`sgl_longgen.core.adaptive`). None: no such estimate."""
+        return None
+
     def before_verify(self, batch, steps: list[StepRequest], drafts: list[Draft]) -> None:
         """Last changes to the verify batch (e.g. input-embedding overrides)."""
 

@@ -159,3 +159,6 @@ class HowlDrafter(OwlDrafter):
 
     def _method(self, defaults, beam) -> Howl:
         return Howl(defaults.owl, beam, SPEC_INPUT_ID, defaults.suffix, defaults.howl)
+
+    def hint(self, step: StepRequest) -> float | None:
+        return self.method.history_hint(step.state.method, step.rid, step.history, self.env.num_nodes - 1)

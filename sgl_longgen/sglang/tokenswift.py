@@ -177,6 +177,9 @@ class TokenSwiftDrafter(Drafter):
     def start(self, step: StepRequest) -> TokenSwiftState:
         return self.method.start(step.seq_len)
 
+    def hint(self, step: StepRequest) -> float | None:
+        return self.method.history_hint(step.state.method, step.history, step.sampling)
+
     # -- draft -----------------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -120,7 +120,7 @@ class SpecWorker(BaseSpecWorker):
         self.requests = RequestTable(self.device, int(server_args.random_seed or 0))
         self.verifier = Verifier(target_worker, self.num_nodes, self.env.vocab_size, self.device, staging,
                                  self.drafter.verify_capture)
-        self.adaptive = AdaptiveSteps(server_config(self.drafter.defaults.adaptive))
+        self.adaptive = AdaptiveSteps(server_config(self.drafter.defaults.adaptive), self._hint)
         self.host_profile = HostProfile.from_env()
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
         self._plain_calls = 0  # consecutive plain calls so far (a plain run's length grows with them)
@@ -328,7 +328,6 @@ class SpecWorker(BaseSpecWorker):
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         drawn = host.numpy().reshape(k, bs)
-        ahead = self.adaptive.plan(steps, k) == SPECULATE
         clock.section("verify_launch")
         clock.phase("verify")
 
@@ -345,7 +344,8 @@ class SpecWorker(BaseSpecWorker):
         self._guarded("after_verify", steps, self.drafter.after_verify, steps, drafts,
                       SimpleNamespace(hidden_states=None if hidden is None else hidden.view(bs * k, -1)))
         self._guarded("observe", steps, self.drafter.observe, steps, drafts, verdicts)
-        if ahead:
+        # The next step's kind once the methods saw the run (their hints read its tokens).
+        if self.adaptive.plan(steps, k) == SPECULATE:
             self._guarded("after_commit", steps, self.drafter.after_commit, batch, steps, verdicts)
         else:
             self.drafter.drop_queued()
@@ -385,6 +385,12 @@ class SpecWorker(BaseSpecWorker):
                         raise RuntimeError("a drafter must return a root-only tree for a blocked request")
                 return drafts
         return [Draft.root_only(step.root) for step in steps]
+
+    def _hint(self, step: StepRequest) -> float | None:
+        """The drafter's hint for a request's next step (none for a request whose method is gone)."""
+        if step.state.method is None or step.state.failed:
+            return None
+        return self._guarded("hint", [step], self.drafter.hint, step)
 
     def _guarded(self, hook: str, steps: list[StepRequest], fn, *args):
         """Run a drafter hook; if it raises, its requests decode plain from now on (never the server)."""

@@ -234,3 +234,65 @@ def test_plain_steps_allowed_is_one_while_speculating_pays_or_nothing_is_measure
     assert ctrl.plain_steps_allowed() == 1  # no plain cost yet
     ctrl.record_plain(PLAIN_COST)
     assert ctrl.worth() and ctrl.plain_steps_allowed() == 1  # a refresh is one step
+
+
+# -- method hints -------------------------------------------------------------------------------
+
+
+def losing_controller() -> AdaptiveController:
+    """Past warm-up, one token per speculative step at twice a plain step's cost: plain wins."""
+    ctrl = AdaptiveController(AdaptiveConfig(probe_every=64))
+    run(ctrl, 4, lambda i: 1, 2.0)
+    assert ctrl.decide() == PLAIN
+    return ctrl
+
+
+def test_a_hint_that_pays_makes_the_step_speculative_and_one_that_does_not_leaves_it_plain():
+    ctrl = losing_controller()
+    assert ctrl.decide(hint=0.9) == PLAIN and not ctrl.hinted  # 1.9 tokens do not pay for 2.0 s
+    assert ctrl.decide(hint=None) == PLAIN
+    assert ctrl.decide(hint=1.0) == SPECULATE and ctrl.hinted and not ctrl.probing  # 2 tokens: a tie pays
+    ctrl.record_spec(6, 2.0, hint=1.0)  # the hint undersold: 5 drafts accepted for 1 hinted
+    assert ctrl.hinted_steps == 1 and ctrl.hint_scale() == pytest.approx(5.0)
+    assert ctrl.decide() == SPECULATE  # the statistics now pay without a hint
+
+
+def test_hints_that_overpromise_are_discounted():
+    ctrl = losing_controller()
+    assert ctrl.decide(hint=4.0) == SPECULATE
+    ctrl.record_spec(1, 2.0, hint=4.0)  # nothing accepted
+    assert ctrl.hint_scale() == 0.0
+    assert ctrl.decide(hint=40.0) == PLAIN  # not believed any more
+    # A step that had a hint calibrates whatever the reason it speculated (here a probe).
+    while ctrl.decide(hint=2.0) != SPECULATE:
+        ctrl.record_plain(PLAIN_COST)
+    assert ctrl.probing and not ctrl.hinted
+    ctrl.record_spec(3, 2.0, hint=2.0)
+    assert 0.0 < ctrl.hint_scale() < 1.0
+
+
+def test_a_hint_is_asked_for_only_where_it_can_change_the_step_and_at_a_bounded_cost():
+    from sgl_longgen.core.adaptive import HINT_SHARE
+
+    ctrl = AdaptiveController(AdaptiveConfig())
+    assert not ctrl.hint_due()  # warming up: the step speculates anyway
+    paying = AdaptiveController(AdaptiveConfig())
+    run(paying, 5, lambda i: 8, 2.0)
+    assert not paying.hint_due()  # speculating pays without one
+    ctrl = losing_controller()
+    assert ctrl.hint_due()  # no hint's cost measured yet
+    ctrl.record_hint(0.1)
+    steps = 0
+    while not ctrl.hint_due():
+        ctrl.record_plain(PLAIN_COST)
+        steps += 1
+    assert steps == round(0.1 / (HINT_SHARE * PLAIN_COST))  # hints take HINT_SHARE of the plain time
+
+
+def test_a_batch_counts_its_requests_hints():
+    ctrls, costs = batch_controllers(2, [1, 1], spec=2.0, plain=1.0)
+    assert decide_batch(ctrls, costs)[0] == PLAIN
+    # One request's history promises 3 more tokens: 1 + 4 tokens per 2.0 s beat 2 per 1.0 s.
+    ctrls, costs = batch_controllers(2, [1, 1], spec=2.0, plain=1.0)
+    kind, probes = decide_batch(ctrls, costs, [None, 3.0])
+    assert kind == SPECULATE and ctrls[1].hinted and probes == [False, False]

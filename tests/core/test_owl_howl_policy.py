@@ -54,3 +54,30 @@ def test_a_loop_seen_twice_routes_a_chain_as_wide_as_the_verify():
         assert howl.linear("r") == (loop * 30)[:chain]
     route = howl.route(state, "r", history)  # no width: the suffix settings decide
     assert route.linear and howl.linear("r") == (loop * 30)[:128]
+
+
+def test_the_hint_is_the_chain_score_when_the_step_would_verify_the_chain():
+    """Adaptive speculation's hint: the suffix chain's score where the route would be linear (a
+    loop), None where the step drafts an OWL tree (random text); the route of the same step
+    takes the very chain the hint scored."""
+    import random
+
+    import torch
+
+    from sgl_longgen.config import OwlConfig, SuffixConfig
+    from sgl_longgen.methods import Howl, Owl
+
+    rng = random.Random(1)
+    text = [rng.randrange(100, 10_000) for _ in range(400)]
+    howl = Howl(OwlConfig(), None, 0, SuffixConfig(), HowlConfig(threshold=9.0))
+    state = howl.start("r", text, torch.zeros(4))
+    assert howl.history_hint(state, "r", text, 63) is None
+    loop = [rng.randrange(100) for _ in range(7)]
+    history = text + loop * 3
+    state = howl.start("s", history, torch.zeros(4))
+    hint = howl.history_hint(state, "s", history, 63)
+    assert hint is not None and hint > 9.0
+    route = howl.route(state, "s", history, 63)
+    assert route.linear and howl.linear("s") == (loop * 20)[:63]
+    assert howl.history_hint(state, "s", history, 15) <= 15  # scored at the width it would verify
+    assert Owl(OwlConfig(), None, 0).history_hint(state, "s", history) is None  # OWL's tree needs its drafter

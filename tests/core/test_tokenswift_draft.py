@@ -1,3 +1,4 @@
+import msgspec
 import torch
 
 from sgl_longgen.config import SamplingConfig
@@ -96,3 +97,29 @@ def test_a_requests_state_adds_no_collector_tracked_objects_as_its_history_grows
         assert len(state.pool) > length - 10
         tracked.append(gc_tracked_reachable(state))
     assert tracked[0] == tracked[1] <= 32, tracked
+
+
+def test_the_hint_is_the_histories_continuation_score_and_indexing_twice_changes_nothing():
+    """Adaptive speculation's hint for TokenSwift: the score of the history's own continuation
+    (part of every trie it drafts): about 0 on text that never repeats, many tokens on a loop.
+    The hint indexes the history, and the draft's indexing of the same history is a no-op."""
+    import random
+
+    from sgl_longgen.config import GenerateConfig
+    from sgl_longgen.methods import TokenSwift
+
+    cfg = GenerateConfig()
+    method = TokenSwift(cfg.tokenswift, cfg.suffix)
+    rng = random.Random(0)
+    text = [rng.randrange(100_000) for _ in range(1_000)]
+    state = method.start(len(text))
+    assert method.history_hint(state, text, cfg.sampling) < 1.0
+    loop = [rng.randrange(100_000) for _ in range(9)]
+    history = text + loop * 4
+    assert method.history_hint(state, history, cfg.sampling) > 10.0
+    continuation, pooled = list(state.continuation), len(state.pool)
+    assert continuation[:9] == loop  # the loop goes on
+    method.index(state, history, cfg.sampling)
+    assert state.continuation == continuation and len(state.pool) == pooled
+    no_suffix = TokenSwift(msgspec.structs.replace(cfg.tokenswift, suffix=False), cfg.suffix)
+    assert no_suffix.history_hint(no_suffix.start(len(history)), history, cfg.sampling) is None

@@ -101,9 +101,9 @@ def test_overrides_per_request(clock):
 def test_a_plan_holds_only_for_the_batch_it_was_made_for(clock):
     planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
     a, b = Request("a"), Request("b")
-    planner._planned = (frozenset({"a"}), PLAIN, {})
+    planner._planned = (frozenset({"a"}), PLAIN, {}, {})
     assert planner.begin([a.step()]) == PLAIN  # planned for this batch: kept
-    planner._planned = (frozenset({"a"}), PLAIN, {})
+    planner._planned = (frozenset({"a"}), PLAIN, {}, {})
     assert planner.begin([a.step(), b.step()]) == SPECULATE  # b joined: decided afresh (b warms up)
 
 
@@ -112,3 +112,33 @@ def test_bad_overrides_are_refused_before_the_scheduler():
     check_custom_params([{"max_new_tokens": 3}, None])
     with pytest.raises(ValueError, match="longgen_speculation"):
         check_custom_params([{}, {"custom_params": {"longgen_speculation": "sometimes"}}])
+
+
+def test_a_methods_hint_turns_plain_steps_speculative_and_is_reported(clock):
+    """Drafts commit one token at three times a plain step's cost, so the batch goes plain; once
+    the drafter's hint (its history's draft score) promises enough, the planned step speculates on
+    it, the request's report counts it, and the hint is only asked for while plain steps win."""
+    asked = []
+    promise = {"a": 0.0}
+
+    def hint(step):
+        asked.append(step.rid)
+        return promise[step.rid]
+
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True, probe_every=64), hint)
+    a = Request("a", longgen_report=True)
+    cost = {"steps": 30, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}
+    kinds = run(planner, [a], cost, clock)
+    assert set(kinds[-10:]) == {PLAIN} and asked  # asked while plain wins
+    promise["a"] = 5.0  # 6 tokens for 3.0 s beat 3 plain ones
+    steps = [a.step()]
+    assert planner.begin(steps) == PLAIN  # planned before the hint changed
+    assert planner.plan(steps, 64) == SPECULATE
+    report = planner.record(steps, [1], PLAIN)[0]
+    assert planner.begin([a.step()]) == SPECULATE
+    report = planner.record([a.step()], [6], SPECULATE)[0]
+    assert report["longgen_hinted_steps"] == 1 and report["longgen_spec_steps"] == kinds.count(SPECULATE) + 1
+    asked.clear()
+    promise["a"] = 0.0
+    steps = [a.step()]
+    assert planner.plan(steps, 64) == SPECULATE and not asked  # 6 tokens per step pay: no hint needed
