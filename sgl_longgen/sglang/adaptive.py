@@ -161,6 +161,11 @@ class AdaptiveSteps:
         self._planned = (frozenset(s.rid for s in steps), kind, probes, hints)
         return kind
 
+    def probing(self) -> bool:
+        """The step in progress is speculative only as a probe of every request that decides."""
+        cur = self._current
+        return cur is not None and cur.kind == SPECULATE and bool(cur.probes) and all(cur.probes.values())
+
     def plain_run_limit(self, steps) -> int:
         """Plain steps the current (plain) call may queue before some request's controller wants a
         speculative step: the least :meth:`~sgl_longgen.core.adaptive.AdaptiveController.plain_steps_allowed`

@@ -67,7 +67,7 @@ DRAFTING_FAILED = "drafting failed"
 # The scheduler's and the host's time per call (1-3 ms) is spread over this many tokens. A run
 # doubles with each consecutive plain call from one step: a plain step that only measures (or
 # refreshes) the plain cost between speculative steps stays one token, a stretch where nothing
-# pays soon runs PLAIN_RUN at a time.
+# pays soon runs PLAIN_RUN at a time (and goes on at that length after a probe that did not pay).
 PLAIN_RUN = 32
 
 
@@ -201,7 +201,10 @@ class SpecWorker(BaseSpecWorker):
         clock.section("setup")
 
         run = 1 if speculate else self._plain_run_length(batch, steps)
-        self._plain_calls = 0 if speculate else self._plain_calls + 1
+        if not speculate:
+            self._plain_calls += 1
+        elif not self.adaptive.probing():  # a probe inside a plain stretch does not restart its runs
+            self._plain_calls = 0
         if run > 1:
             return self._plain_run(batch, steps, run, on_publish)
         if speculate:

@@ -142,3 +142,21 @@ def test_a_methods_hint_turns_plain_steps_speculative_and_is_reported(clock):
     promise["a"] = 0.0
     steps = [a.step()]
     assert planner.plan(steps, 64) == SPECULATE and not asked  # 6 tokens per step pay: no hint needed
+
+
+def test_a_probe_is_told_apart_from_a_step_that_speculates_because_it_pays(clock):
+    """The worker keeps its plain runs' length across a probe (a stretch where nothing pays goes
+    on), and restarts them after a step that speculates because it pays."""
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True, probe_every=2))
+    a = Request("a")
+    seen = []
+    for _ in range(60):
+        steps = [a.step()]
+        kind = planner.begin(steps)
+        seen.append((kind, planner.probing()))
+        planner.plan(steps, 64)
+        planner.record(steps, [1], kind)
+        clock.now += 3.0 if kind == SPECULATE else 1.0
+    probes = [p for k, p in seen if k == SPECULATE]
+    assert probes[0] is False and sum(probes) >= 2  # the warm-up is no probe; later ones are
+    assert all(not p for k, p in seen if k == PLAIN)
