@@ -59,10 +59,12 @@ tokens that part of its draft is expected to get accepted (its suffix draft's sc
 of past steps see a loop that starts in the middle of a plain stretch only at the next probe,
 which may be many plain steps away; a hint sees it at once. So :meth:`AdaptiveController.decide`
 takes the hint as a second estimate: a step speculates when either its statistics or
-``1 + scale * hint`` tokens pay for it. ``scale`` calibrates the method's scores: the decayed
-ratio of the draft tokens accepted to the hints given over the speculative steps that had one
-(1 until there are any), so a method whose scores promise more than its steps deliver soon needs
-a far higher score to be believed. A hint costs host time (a walk of the suffix index), so it is
+``1 + scale * hint`` tokens pay for it. ``scale`` calibrates the method's scores: the ratio of
+the draft tokens accepted to the hints given over the speculative steps that had one, both
+decayed, each with one token of prior (``(accepted + 1) / (hinted + 1)``: 1 until there are any),
+so a method whose scores promise more than its steps deliver soon needs a far higher score to be
+believed, and one bad hint (a score taken just before the text really loops) neither silences
+the later ones nor outlives its decay. A hint costs host time (a walk of the suffix index), so it is
 asked for only where it can change the step (plain steps win) and at most every so many plain
 steps that hints take :data:`HINT_SHARE` of the plain time (:meth:`AdaptiveController.hint_due`,
 with the runtime's measured seconds per hint). Lossless for the same reason: a hint is a
@@ -89,6 +91,8 @@ from ..config import AdaptiveConfig
 SPECULATE, PLAIN = "speculate", "plain"
 # Hints take at most this share of the time of the plain steps between them.
 HINT_SHARE = 0.02
+# Tokens of prior in a hint's calibration (accepted / hinted).
+HINT_PRIOR = 1.0
 
 
 class DecayedMean:
@@ -241,6 +245,7 @@ class AdaptiveController:
         self.hint_given = DecayedMean(config.decay)
         self.hinted_steps = 0  # speculative steps taken on a hint alone
         self.hint_cost = RecentMedian()  # seconds the runtime took for a hint
+        self.hints = 0  # hints the runtime computed
         self.since_hint = 0  # plain steps since the last hint
         self._hinted = False
 
@@ -275,9 +280,9 @@ class AdaptiveController:
         return self.committed.value
 
     def hint_scale(self) -> float:
-        """Draft tokens accepted per hinted token, over the past steps that had a hint (1: none yet)."""
-        given = self.hint_given.total
-        return self.hint_accepted.total / given if given > 0 else 1.0
+        """Draft tokens accepted per hinted token over the past steps that had a hint, with one
+        token of prior on both sides (1: none yet)."""
+        return (self.hint_accepted.total + HINT_PRIOR) / (self.hint_given.total + HINT_PRIOR)
 
     def expected_from_hint(self, hint: float | None) -> float | None:
         """Tokens a speculative step is expected to commit by the method's ``hint`` (None: no hint)."""
@@ -352,8 +357,12 @@ class AdaptiveController:
         return cost is None or self.since_hint * plain * HINT_SHARE >= cost
 
     def record_hint(self, seconds: float) -> None:
-        """The runtime took ``seconds`` to compute a hint."""
-        self.hint_cost.add(seconds)
+        """The runtime took ``seconds`` to compute a hint. A request's first hint is not a
+        hint's price: it indexes the whole prompt (a one-off), and counted as one it would space
+        the next hints out by hundreds of plain steps."""
+        if self.hints:
+            self.hint_cost.add(seconds)
+        self.hints += 1
         self.since_hint = 0
 
     def hint_pays(self, hint: float | None, costs: StepCosts | None = None) -> bool:

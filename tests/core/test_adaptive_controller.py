@@ -253,7 +253,7 @@ def test_a_hint_that_pays_makes_the_step_speculative_and_one_that_does_not_leave
     assert ctrl.decide(hint=None) == PLAIN
     assert ctrl.decide(hint=1.0) == SPECULATE and ctrl.hinted and not ctrl.probing  # 2 tokens: a tie pays
     ctrl.record_spec(6, 2.0, hint=1.0)  # the hint undersold: 5 drafts accepted for 1 hinted
-    assert ctrl.hinted_steps == 1 and ctrl.hint_scale() == pytest.approx(5.0)
+    assert ctrl.hinted_steps == 1 and ctrl.hint_scale() == pytest.approx((5 + 1) / (1 + 1))
     assert ctrl.decide() == SPECULATE  # the statistics now pay without a hint
 
 
@@ -261,14 +261,18 @@ def test_hints_that_overpromise_are_discounted():
     ctrl = losing_controller()
     assert ctrl.decide(hint=4.0) == SPECULATE
     ctrl.record_spec(1, 2.0, hint=4.0)  # nothing accepted
-    assert ctrl.hint_scale() == 0.0
+    assert ctrl.hint_scale() == pytest.approx(1 / 5)
+    assert ctrl.decide(hint=4.0) == PLAIN  # 1 + 0.8 tokens do not pay for 2.0 s
+    assert ctrl.decide(hint=40.0) == SPECULATE  # a loop's score still does
+    ctrl.record_spec(1, 2.0, hint=40.0)  # and disappoints too
     assert ctrl.decide(hint=40.0) == PLAIN  # not believed any more
     # A step that had a hint calibrates whatever the reason it speculated (here a probe).
-    while ctrl.decide(hint=2.0) != SPECULATE:
+    while ctrl.decide(hint=0.5) != SPECULATE:  # 1.5 tokens never pay for 2.0 s
         ctrl.record_plain(PLAIN_COST)
     assert ctrl.probing and not ctrl.hinted
-    ctrl.record_spec(3, 2.0, hint=2.0)
-    assert 0.0 < ctrl.hint_scale() < 1.0
+    before = ctrl.hint_scale()
+    ctrl.record_spec(3, 2.0, hint=0.5)
+    assert before < ctrl.hint_scale()
 
 
 def test_a_hint_is_asked_for_only_where_it_can_change_the_step_and_at_a_bounded_cost():
@@ -281,6 +285,8 @@ def test_a_hint_is_asked_for_only_where_it_can_change_the_step_and_at_a_bounded_
     assert not paying.hint_due()  # speculating pays without one
     ctrl = losing_controller()
     assert ctrl.hint_due()  # no hint's cost measured yet
+    ctrl.record_hint(50.0)  # the first hint indexes the prompt: no hint's price
+    assert ctrl.hint_due() and ctrl.hint_cost.value is None
     ctrl.record_hint(0.1)
     steps = 0
     while not ctrl.hint_due():
