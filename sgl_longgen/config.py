@@ -220,7 +220,9 @@ class AdaptiveConfig(Strict):
     since the last speculative one took ``probe_every`` times a speculative step's cost (probing
     costs at most ``1 / (probe_every + 1)`` of the time), that interval multiplied by
     ``probe_growth`` (up to ``probe_max``) after each probe that does not pay. ``refresh_every``:
-    while speculating, one plain step in that many re-measures the plain cost (0: never). The mix
+    while speculating, one plain step in that many re-measures the plain cost (0: never). Where plain
+    steps win, the method's hint (HOWL's and TOKENSWIFT's suffix draft score of the committed text)
+    can still make a step speculative, calibrated by what hinted steps accepted. The mix
     of steps follows measured times, so a sampled run's seed no longer pins its output (greedy
     output is always plain decoding's), which is why it is off by default: runs, resumed batch jobs
     included, stay reproducible unless it is asked for. In SGLang (a draft directory's
