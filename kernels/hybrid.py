@@ -349,7 +349,6 @@ class HybridTreeAttention:
         num_tokens = self.batch_size * self.tree_size
         if q.shape != (num_tokens, self.num_qo_heads, self.head_dim):
             raise ValueError(f"q must be [{num_tokens}, {self.num_qo_heads}, {self.head_dim}], got {tuple(q.shape)}")
-        given = out
         if out is None:
             out = torch.empty_like(q)
         if sm_scale is None:
@@ -362,7 +361,7 @@ class HybridTreeAttention:
         if self.own_kv_in_prefix:
             if scores is not None:
                 raise ValueError("no selection scores from a width-1 verify planned with own_kv_in_prefix")
-            return self._run_prefix_only(q, k_buffer, v_buffer, out, lse, sm_scale, given is None)
+            return self._run_prefix_only(q, k_buffer, v_buffer, out, lse, sm_scale)
         if self.path == "flashinfer_fold":
             return self._run_folded(q, k_buffer, v_buffer, k_tree, v_tree, out, lse)
         if self.path == "fa3":
@@ -371,11 +370,9 @@ class HybridTreeAttention:
             return self._run_triton_cascade(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale)
         return self._run_triton(q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale, scores, score_rows)
 
-    def _run_prefix_only(self, q, k_buffer, v_buffer, out, lse, sm_scale, own_output=False):
+    def _run_prefix_only(self, q, k_buffer, v_buffer, out, lse, sm_scale):
         """A width-1 verify whose prefix holds the row's own key: the prefix pass is the whole
-        attention (T = 1, so FA3's and the folded decode's outputs are in ``q``'s row order).
-        ``own_output``: the caller passed no ``out``, so FA3's output is returned as it is (a plain
-        step is a decode step: no copy per layer beside the kernel)."""
+        attention (T = 1, so FA3's and the folded decode's outputs are in ``q``'s row order)."""
         bs, hq, d = self.batch_size, self.num_qo_heads, self.head_dim
         if self.cascade and self.path == "fa3":
             o_own, lse_own = self._fa3.run(q, k_buffer, v_buffer, sm_scale)
@@ -385,8 +382,6 @@ class HybridTreeAttention:
             return self._run_triton_cascade(q, k_buffer, v_buffer, None, None, out, lse, sm_scale)
         if self.path == "fa3":
             o, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale, return_lse=lse is not None)
-            if own_output and lse is None:
-                return o.view(bs, hq, d)
         elif self.path == "flashinfer_fold":
             o, lse_prefix = self._folded.run(q, k_buffer, v_buffer)
         else:

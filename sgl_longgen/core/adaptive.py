@@ -78,7 +78,8 @@ would not lose much by it. The same argument keeps this lossless: the choice dep
 past steps of the batch's requests.
 
 Engine-agnostic and deterministic: no clock is read here. The runtime passes the seconds it
-measured, so tests drive it with synthetic costs and acceptances.
+measured (and the clock a hint is timed with), so tests drive it with synthetic costs and
+acceptances.
 """
 
 from __future__ import annotations
@@ -365,6 +366,17 @@ class AdaptiveController:
         self.hints += 1
         self.since_hint = 0
 
+    def hint_if_due(self, hint: Callable[[], float | None], clock: Callable[[], float],
+                    costs: StepCosts | None = None) -> float | None:
+        """The method's ``hint()`` where :meth:`hint_due`, timed with the runtime's ``clock``
+        (seconds) and recorded; None where no hint is due."""
+        if not self.hint_due(costs):
+            return None
+        t = clock()
+        value = hint()
+        self.record_hint(clock() - t)
+        return value
+
     def hint_pays(self, hint: float | None, costs: StepCosts | None = None) -> bool:
         """The method's ``hint`` alone makes a speculative step (over the full draft) pay."""
         costs = costs or self.costs
@@ -528,9 +540,9 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts,
         spec, plain = costs.spec.value, costs.plain.value
         if spec is None or plain is None:
             kind = SPECULATE if plain is not None else PLAIN
-        elif controllers[0].widths and not any(c.hinted for c in controllers):
+        elif controllers[0].widths:
             n = len(controllers)
-            pays = any(_batch_expected(controllers, w, cost, plain) * plain >= n * cost
+            pays = any(_batch_expected(controllers, w, cost, plain, hints) * plain >= n * cost
                        for w, cost in _measured_widths(controllers[0], costs))
             kind = SPECULATE if pays else PLAIN
         else:
@@ -588,11 +600,16 @@ def _measured_widths(controller: AdaptiveController, costs: StepCosts) -> list[t
 
 
 def _batch_expected(controllers: list[AdaptiveController], width: int | None, cost: float,
-                    plain: float | None) -> float:
+                    plain: float | None, hints: Sequence[float | None] | None = None) -> float:
     """The batch's expected tokens at ``width``; a request with no estimate there counts as paying
-    for the step (``cost / plain``, or one token while the plain cost is unknown)."""
+    for the step (``cost / plain``, or one token while the plain cost is unknown). A hint speaks
+    for the whole draft (``width`` None), where it raises the request's estimate."""
     total = 0.0
-    for c in controllers:
+    for i, c in enumerate(controllers):
         e = c.expected_at(width)
+        if width is None and hints is not None:
+            from_hint = c.expected_from_hint(hints[i])
+            if from_hint is not None:
+                e = from_hint if e is None else max(e, from_hint)
         total += e if e is not None else (cost / plain if plain else 1.0)
     return total

@@ -141,11 +141,7 @@ class Decoder(ABC):
 
     def adaptive_step(self, controller: AdaptiveController) -> list[int]:
         """The step the controller picks (with its draft width), timed and reported back to it."""
-        hint = None
-        if controller.hint_due():
-            t = time.perf_counter()
-            hint = self.hint()
-            controller.record_hint(time.perf_counter() - t)
+        hint = controller.hint_if_due(self.hint, time.perf_counter)
         if controller.decide(hint=hint) == PLAIN:
             t = time.perf_counter()
             new = self.plain_step()

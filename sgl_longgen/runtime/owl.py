@@ -130,16 +130,12 @@ class OwlDecoder(Decoder):
                             self.model.model.norm(self._plain_h[-1]), None)
         self._plain_tokens = []
 
-    @staticmethod
-    def _chain(width: int | None) -> int | None:
-        return None if width is None else width - 1
-
     def step(self) -> list[int]:
         t = time.perf_counter()
         if self._plain_tokens:
             self._catch_up()
         width = self.max_nodes
-        route = self.method.route(self.state, RID, self.history, self._chain(width))
+        route = self.method.route(self.state, RID, self.history, None if width is None else width - 1)
         (draft,) = self.method.propose([RID], [self.state], [self.history[-1]], [route], width)
         t_draft = time.perf_counter()
         verdict = self.verify(draft)

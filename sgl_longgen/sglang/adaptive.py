@@ -192,7 +192,9 @@ class AdaptiveSteps:
         if all(m == OFF for m in modes):
             return PLAIN, {}, {}
         auto = [(s, st) for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
-        hints = [self._hint(s, st.controller, costs) for s, st in auto]
+        hints = [None if self.hint is None
+                 else st.controller.hint_if_due(lambda s=s: self.hint(s), time.perf_counter, costs)
+                 for s, st in auto]
         if ON in modes:
             kind = SPECULATE
             probes = {}
@@ -205,15 +207,6 @@ class AdaptiveSteps:
         kind, flags = decide_batch([st.controller for _, st in auto], costs, hints)
         return kind, {s.rid: p for (s, _), p in zip(auto, flags)}, {
             s.rid: (h, kind == SPECULATE and st.controller.hinted) for (s, st), h in zip(auto, hints)}
-
-    def _hint(self, step, controller: AdaptiveController, costs: StepCosts) -> float | None:
-        """The drafter's hint for ``step`` where its controller wants one (timed for it)."""
-        if self.hint is None or not controller.hint_due(costs):
-            return None
-        t = time.perf_counter()
-        hint = self.hint(step)
-        controller.record_hint(time.perf_counter() - t)
-        return hint
 
     # -- what the step did -------------------------------------------------------------------
 

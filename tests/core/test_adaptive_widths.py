@@ -198,3 +198,21 @@ def test_a_batch_speculates_when_some_width_pays_for_it():
     costs.at(4).add(4.0)
     costs.at(4).add(4.0)  # the recent median: now no width pays (9 / 4.0 < 3 / 1.0)
     assert decide_batch(ctrls, costs)[0] == PLAIN
+
+
+def test_a_hint_raises_a_batch_requests_estimate_over_the_whole_draft_only():
+    """Two requests that accept nothing, one with a method hint of 5 draft tokens: over the whole
+    draft 1 + 6 tokens per 1.7 s beat 2 plain tokens per second; the hint says nothing of the
+    narrower widths, so without it the batch stays plain."""
+    costs = StepCosts()
+    costs.plain.add(1.0)
+    costs.at(4).add(1.1)
+    costs.spec.add(1.7)
+    ctrls = [AdaptiveController(AdaptiveConfig(widths=[4]), costs) for _ in range(2)]
+    for c in ctrls:
+        c.record_spec(1, width=None, nodes=[0])
+        c.record_plain()
+    assert decide_batch(ctrls, costs)[0] == PLAIN
+    kind, _ = decide_batch(ctrls, costs, [None, 5.0])
+    assert kind == SPECULATE and ctrls[1].hinted and not ctrls[0].hinted
+    assert batch_width(ctrls, costs) is None  # the hinted request's whole draft

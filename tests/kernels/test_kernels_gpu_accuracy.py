@@ -74,9 +74,6 @@ def test_width_one_verify_with_its_own_key_in_the_prefix(prefix_backend):
     print(f"GPU accuracy width-1 own-KV path={attn.path}: max|o - ref| = {err:.3e}, lse {lse_err:.2e}")
     assert err <= ACCEPT
     assert lse_err <= 1e-2
-    # Without out/lse (a plain step in the engine) the prefix pass's own output comes back as is.
-    bare = attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree)
-    assert bare.shape == batch.q.shape and torch.equal(bare, out)
 
 
 @pytest.mark.skipif(not flashinfer_available(), reason="needs FlashInfer")

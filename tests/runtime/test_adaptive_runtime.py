@@ -41,8 +41,8 @@ class Scripted:
         self.paths: list[tuple[int | None, list[int]]] = []
         self.hinted = False  # a fixed mix takes no step on a hint
 
-    def hint_due(self) -> bool:
-        return False
+    def hint_if_due(self, hint, clock, costs=None):
+        return None  # a fixed mix asks for no hint
 
     def decide(self, hint=None) -> str:
         c = next(self.steps)
