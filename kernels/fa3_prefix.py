@@ -11,6 +11,14 @@ prefix LSE is converted here, at the boundary.
 
 The prefix is given to FA3 as a page table with one slot per page (SGLang's page size 1),
 built from ``kv_indptr``/``kv_indices`` by :func:`page_table_from_indices`.
+
+FA3 schedules its tiles (how many KV splits each request gets) with a small kernel of its own
+that, left to itself, runs before every call: once per layer, 32 extra launches in a Llama-8B
+forward, most of a plain step's premium over SGLang's decode. ``plan`` runs that scheduler once
+(``get_scheduler_metadata``, as SGLang's own FA3 decode does) with exactly the arguments the
+kernel would give it (the page table's width as the longest prefix, so the split count is the
+one the kernel picks without it), and every layer's call reuses the result. Under CUDA graphs it
+lives in a persistent buffer per batch size, refilled by each plan.
 """
 
 from __future__ import annotations
@@ -24,6 +32,15 @@ from .triton_common import LOG2_E
 from .verify_metadata import page_table_from_indices
 
 FA3_HEAD_DIMS = (64, 96, 128, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _get_scheduler_metadata():
+    try:
+        from sgl_kernel.flash_attn import get_scheduler_metadata
+    except Exception:  # pragma: no cover - absent off Hopper hosts and in older kernels
+        return None
+    return get_scheduler_metadata
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,11 +81,16 @@ class Fa3Prefix:
         self.device = torch.device(device)
         self._page_table_buf = page_table_buf
         self._seq_lens_buf = seq_lens_buf
+        self._schedule_bufs: dict[int, torch.Tensor] = {}  # per batch size, under CUDA graphs
+        self.scheduler_metadata: Optional[torch.Tensor] = None
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, tree_size: int,
-             max_prefix_len: Optional[int] = None, skip: torch.Tensor | None = None) -> None:
+             max_prefix_len: Optional[int] = None, skip: torch.Tensor | None = None,
+             dtype: Optional[torch.dtype] = None) -> None:
         """``skip``: attend each prefix without its first ``skip`` slots (see
-        :func:`page_table_from_indices`); ``tree_size`` is the query rows per page-table row."""
+        :func:`page_table_from_indices`); ``tree_size`` is the query rows per page-table row;
+        ``dtype``: q's and the cache's, to schedule FA3's tiles here once (None: FA3 schedules
+        them at every call)."""
         bs = kv_indptr.numel() - 1
         width = max(1, max_prefix_len if max_prefix_len is not None else kv_indices.numel())
         if self._page_table_buf is not None:
@@ -81,6 +103,26 @@ class Fa3Prefix:
             table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
             self.page_table, self.seq_lens = page_table_from_indices(kv_indptr, kv_indices, table, skip=skip)
         self.batch_size, self.tree_size = bs, tree_size
+        self.scheduler_metadata = self._schedule(dtype)
+
+    def _schedule(self, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+        """FA3's tile schedule for this plan, computed as its kernel would compute it per call."""
+        get = _get_scheduler_metadata()
+        if get is None or dtype is None:
+            return None
+        meta = get(batch_size=self.batch_size, max_seqlen_q=self.tree_size, max_seqlen_k=self.page_table.shape[1],
+                   num_heads=self.num_qo_heads, num_heads_k=self.num_kv_heads, headdim=self.head_dim,
+                   cache_seqlens=self.seq_lens, qkv_dtype=dtype, page_size=1, causal=False)
+        if self._page_table_buf is None:
+            return meta
+        # A captured graph reads the schedule from where it was at capture: keep one buffer per
+        # batch size (its size depends on nothing else) and refill it.
+        buf = self._schedule_bufs.get(self.batch_size)
+        if buf is None or buf.shape != meta.shape:
+            buf = self._schedule_bufs[self.batch_size] = meta
+        else:
+            buf.copy_(meta)
+        return buf
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
             sm_scale: float, return_lse: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -97,6 +139,7 @@ class Fa3Prefix:
             softmax_scale=sm_scale,
             causal=False,
             return_softmax_lse=return_lse,
+            scheduler_metadata=self.scheduler_metadata,
         )
         if not return_lse:
             o = result[0] if isinstance(result, (tuple, list)) else result

@@ -193,11 +193,12 @@ class HybridTreeAttention:
             if max_prefix_len is None and prefix_lens_host:
                 max_prefix_len = max(prefix_lens_host)
             own_width = max_prefix_len - (shared_host or 0) if max_prefix_len is not None else None
-            self._fa3_prefix().plan(kv_indptr, kv_indices, tree_size, max_prefix_len=own_width, skip=skip)
+            self._fa3_prefix().plan(kv_indptr, kv_indices, tree_size, max_prefix_len=own_width, skip=skip,
+                                    dtype=q_dtype)
             if self.cascade:
                 shared_width = shared_host if shared_host is not None else max_prefix_len
                 self._fa3_shared_prefix().plan(self._cascade_meta[0:2], kv_indices, batch_size * tree_size,
-                                               max_prefix_len=shared_width)
+                                               max_prefix_len=shared_width, dtype=q_dtype)
         elif self.path == "flashinfer_fold":
             self._fold().plan(kv_indptr, kv_indices, tree_size, sm_scale=self.sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype)
         else:

@@ -22,7 +22,10 @@ Each speculative request asks for the adaptive report; the last step's running f
 go in the JSON beside the times. ``--timeline``: one more sampled and one more greedy ``2N``-token
 request at the first context with the step timing on (``longgen_timing = "host"``): per step, the
 token it started at, its kind and its sections (``timeline`` in the JSON), to see where a whole
-request's time beyond the steady rate goes.
+request's time beyond the steady rate goes. ``--profile DIR``: per engine, SGLang's torch profiler
+over ``--profile-steps`` decode steps of one more sampled request at the first context, folded
+into per-kernel totals per CUDA-graph launch (:mod:`.kernel_trace`; ``profile`` in the JSON,
+``DIR/<engine>.md``), to compare a plain step of each method with plain decoding kernel by kernel.
 
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms TOKENSWIFT
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms OWL HOWL --skip-plain
@@ -41,6 +44,7 @@ from pathlib import Path
 from .. import env
 from ..sglang.engine import open_engine, stop_engine
 from .gpu_check import make_checkpoints, make_owl_drafter
+from .kernel_trace import markdown, summarize
 
 REPORT_KEYS = ("longgen_spec_steps", "longgen_plain_steps", "longgen_hinted_steps", "longgen_tau", "longgen_spec_ms",
                "longgen_plain_ms")
@@ -157,6 +161,26 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
     return result
 
 
+def profile(eng, name: str, prompt: list[int], args) -> list[dict]:
+    """Per-kernel totals of ``--profile-steps`` decode steps of a sampled request (see
+    :mod:`.kernel_trace`; SGLang writes the prefill's trace too, summarized beside)."""
+    out_dir = args.profile / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eng.start_profile(output_dir=str(out_dir), num_steps=args.profile_steps, activities=["CPU", "GPU"],
+                      profile_by_stage=True, profile_prefix=name, with_stack=False, record_shapes=False)
+    eng.generate(input_ids=prompt, sampling_params={"temperature": 1.0, "ignore_eos": True,
+                                                    "max_new_tokens": 2 * args.tokens + 1})
+    try:
+        eng.stop_profile()
+    except Exception:  # noqa: BLE001 - stopped by itself after num_steps
+        pass
+    summaries = [summarize(path) for path in sorted(out_dir.glob("*.trace.json*"))]
+    (args.profile / f"{name}.md").write_text("".join(markdown(s) + "\n" for s in summaries))
+    for s in summaries:
+        s["kernels"], s["runtime_calls"] = s["kernels"][:40], s["runtime_calls"][:12]
+    return summaries
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("adaptive_check.json"))
@@ -172,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--owl-width", type=int, default=1024)
     p.add_argument("--owl-draft-vocab", type=int, default=32768)
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
+    p.add_argument("--profile", type=Path, help="profile each engine's decode steps into this directory")
+    p.add_argument("--profile-steps", type=int, default=48, help="decode steps (scheduler steps) profiled")
     args = p.parse_args(argv)
 
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -200,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         start = round(time.time() - t, 1)
         try:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}
+            if args.profile is not None:
+                try:
+                    report[name]["profile"] = profile(eng, name, prompts[args.contexts[0]], args)
+                except Exception as exc:  # noqa: BLE001 - the measurements above stand without it
+                    report[name]["profile_error"] = f"{type(exc).__name__}: {exc}"
         finally:
             stop_engine(eng)
         args.out.write_text(json.dumps(report, indent=1))

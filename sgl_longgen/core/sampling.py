@@ -17,6 +17,20 @@ from .penalty import apply_penalty, window_mask
 NEG_INF = float("-inf")
 
 
+def exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs``: ``argmax_i p_i / E_i`` with independent ``E_i ~ Exp(1)``.
+
+    Exact: ``E_i / p_i`` is an exponential clock of rate ``p_i``, and the first of independent
+    clocks to ring is clock ``i`` with probability ``p_i / sum_j p_j`` (tokens of probability 0
+    never ring first). It is ``torch.multinomial``'s own algorithm for one draw, the same random
+    numbers and the same result, without the validity checks it queues before: a device-side
+    assert per check (about ten small kernels per draw on a GPU, where a plain step's draw is on
+    the critical path), and a failed one would kill the CUDA context instead of raising.
+    """
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.div(probs, race, out=race).argmax(dim=-1)
+
+
 def _keep_at_least(remove: torch.Tensor, logits: torch.Tensor, m: int) -> torch.Tensor:
     """Never remove the ``m`` highest logits of a row."""
     if m <= 1:
@@ -100,7 +114,8 @@ class LogitsProcessor:
         p = self.params
         if p.greedy:
             return logits
-        logits = logits / p.temperature
+        if p.temperature != 1.0:
+            logits = logits / p.temperature
         m = p.min_tokens_to_keep
         if p.filter_order == "joint":
             return self._joint_filters(logits)
@@ -151,5 +166,4 @@ class LogitsProcessor:
         processed = self.process(logits, windows)
         if self.greedy:
             return processed.argmax(dim=-1)
-        probs = torch.softmax(processed.double(), dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return exponential_race(torch.softmax(processed.double(), dim=-1), generator)

@@ -5,7 +5,7 @@ import torch
 
 from sgl_longgen.config import SamplingConfig
 from sgl_longgen.core.penalty import apply_penalty, window_mask, window_tokens
-from sgl_longgen.core.sampling import LogitsProcessor
+from sgl_longgen.core.sampling import LogitsProcessor, exponential_race
 
 INF = float("-inf")
 
@@ -108,6 +108,23 @@ def test_sampling_draws_follow_the_processed_distribution():
     expected = torch.softmax(logits[0, :3], -1)
     assert torch.allclose(freq[:3], expected, atol=0.02)
     assert freq[3:].sum() == 0
+
+
+def test_the_exponential_race_is_multinomials_draw_without_its_checks():
+    """Same random numbers, same tokens: torch.multinomial's one-draw algorithm is the race, so the
+    race inherits its exactness; a race that read another number, or compared p * E, would differ."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(400, 50, dtype=torch.float64, generator=gen) * 3, -1)
+    probs[:100, 10:] = 0.0  # rows with impossible tokens
+    probs[:100] /= probs[:100].sum(-1, keepdim=True)
+    ours = exponential_race(probs, torch.Generator().manual_seed(7))
+    theirs = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7)).squeeze(-1)
+    assert torch.equal(ours, theirs)
+    assert (ours[:100] < 10).all()
+    # and the tokens follow the rows' law: one row drawn many times
+    row = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
+    counts = torch.bincount(exponential_race(row.expand(20000, 4).clone(), gen), minlength=4).double() / 20000
+    assert counts[3] == 0 and torch.allclose(counts[:3], row[:3], atol=0.015)
 
 
 def test_banned_tokens_are_never_produced():

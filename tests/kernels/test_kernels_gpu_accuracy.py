@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernel_cases import make_batch, max_err, nan_like, with_own_slots
-from sgl_longgen.kernels.fa3_prefix import fa3_supported
+from sgl_longgen.kernels.fa3_prefix import Fa3Prefix, fa3_supported
 from sgl_longgen.kernels.folded_decode import flashinfer_available, fold_supported
 from sgl_longgen.kernels.hybrid import HybridTreeAttention
 from sgl_longgen.kernels.merge import merge_states
@@ -140,6 +140,31 @@ def test_fa3_path_replays_in_a_cuda_graph_with_new_prefixes(group):
         err = max_err(out, batch.reference()[0])
         print(f"FA3 graph replay G={group} prefixes={batch.prefix_lens}: max|o - ref| = {err:.3e}")
         assert err <= ACCEPT
+
+
+@pytest.mark.skipif(not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
+                    if torch.cuda.is_available() else True, reason="needs FA3 (Hopper)")
+@pytest.mark.parametrize("graph_buffers", [False, True])
+@pytest.mark.parametrize("tree_size", [1, 16, 64])
+def test_fa3_tile_schedule_planned_once_is_the_one_fa3_computes_per_call(tree_size, graph_buffers):
+    """The fast path (FA3's scheduler run once per plan) against the slow one (FA3 scheduling at
+    every call): same splits, so the same bits, for short, long and empty prefixes."""
+    batch = make_batch([4095, 32768, 0, 1], tree_size, HQ, HKV, D, torch.bfloat16, seed=3)
+    bufs = {}
+    if graph_buffers:  # a wide persistent table, as captured graphs use
+        bufs = dict(page_table_buf=torch.zeros(4, 131072, dtype=torch.int32, device="cuda"),
+                    seq_lens_buf=torch.zeros(4, dtype=torch.int32, device="cuda"))
+    prefix = Fa3Prefix(HQ, HKV, D, "cuda", **bufs)
+    for _ in range(2):  # the second plan refills the persistent schedule
+        prefix.plan(batch.kv_indptr, batch.kv_indices, tree_size, max_prefix_len=32768, dtype=torch.bfloat16)
+        assert prefix.scheduler_metadata is not None
+        fast_o, fast_lse = prefix.run(batch.q, batch.k_buffer, batch.v_buffer, batch.sm_scale)
+    planned, prefix.scheduler_metadata = prefix.scheduler_metadata, None
+    slow_o, slow_lse = prefix.run(batch.q, batch.k_buffer, batch.v_buffer, batch.sm_scale)
+    assert torch.equal(fast_o, slow_o)
+    rows = torch.tensor(batch.prefix_lens, device="cuda") > 0  # an empty prefix's LSE is -inf both ways
+    assert torch.equal(fast_lse[rows], slow_lse[rows])
+    assert planned.dtype == torch.int32
 
 
 @pytest.mark.parametrize("tree_size", [1, 16, 64])

@@ -1,0 +1,117 @@
+"""Where a profiled stretch of GPU time goes: per-kernel totals of a torch profiler trace.
+
+SGLang's ``start_profile`` (``sgl.Engine.start_profile``, the server's ``/start_profile``) writes
+a Chrome trace per profiled stage. Comparing two engines step by step (plain decoding against a
+speculative engine's plain steps) needs the kernels each launches per forward and the time the
+device spends busy and idle, not the timeline itself: :func:`summarize` folds a trace into that,
+per CUDA-graph launch (one forward each in a decode step), and :func:`markdown` prints it.
+
+    python -m sgl_longgen.bench.kernel_trace TRACE.json.gz [TRACE2 ...] [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without template arguments and parameter lists (still tells kernels apart)."""
+    name = re.sub(r"\(.*", "", name)
+    depth, out = 0, []
+    for ch in name:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            out.append(ch)
+    name = "".join(out).strip().removeprefix("void ").strip()
+    return name[:90] or "?"
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end = stop
+    return busy
+
+
+def summarize(path: Path) -> dict:
+    """Device events of one trace: per kernel name count and total us, the busy time (union of
+    the device intervals), the span from the first to the last, the CUDA-graph launches, and
+    the host's calls into CUDA by total time (a synchronizing call's time is the host waiting)."""
+    events = _load(path)
+    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # host calls into CUDA: syncs show here
+    intervals = []
+    graph_launches = 0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        if cat in DEVICE_CATEGORIES:
+            start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+            intervals.append((start, start + dur))
+            row = per[short_name(e.get("name", "?")) if cat == "kernel" else cat]
+            row[0] += 1
+            row[1] += dur
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            name = e.get("name", "?")
+            graph_launches += name.startswith("cudaGraphLaunch")
+            runtime[name][0] += 1
+            runtime[name][1] += float(e.get("dur", 0.0))
+    span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) if intervals else 0.0
+    kernels = sorted(({"name": k, "count": int(v[0]), "us": round(v[1], 1)} for k, v in per.items()),
+                     key=lambda r: -r["us"])
+    calls = sorted(({"name": k, "count": int(v[0]), "us": round(v[1], 1)} for k, v in runtime.items()),
+                   key=lambda r: -r["us"])
+    return {"trace": path.name, "graph_launches": graph_launches, "device_events": len(intervals),
+            "busy_us": round(_union(intervals), 1), "span_us": round(span, 1), "kernels": kernels,
+            "runtime_calls": calls}
+
+
+def markdown(summary: dict, top: int = 30) -> str:
+    n = max(1, summary["graph_launches"])
+    lines = [f"### {summary['trace']}",
+             f"{summary['graph_launches']} graph launches, {summary['device_events']} device events; busy "
+             f"{summary['busy_us'] / 1e3:.2f} ms of a {summary['span_us'] / 1e3:.2f} ms span "
+             f"(per launch: {summary['busy_us'] / n:.1f} us busy, {summary['span_us'] / n:.1f} us span, "
+             f"{summary['device_events'] / n:.1f} events)", "",
+             "| kernel | count | per launch | total us | per launch us |", "|---|---|---|---|---|"]
+    for row in summary["kernels"][:top]:
+        lines.append(f"| {row['name']} | {row['count']} | {row['count'] / n:.1f} | {row['us']:.0f} | {row['us'] / n:.1f} |")
+    lines += ["", "| host call into CUDA | count | per launch | total us | per launch us |", "|---|---|---|---|---|"]
+    for row in summary["runtime_calls"][:12]:
+        lines.append(f"| {row['name']} | {row['count']} | {row['count'] / n:.1f} | {row['us']:.0f} | {row['us'] / n:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("traces", type=Path, nargs="+")
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+    for path in args.traces:
+        print(markdown(summarize(path), args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
