@@ -30,7 +30,7 @@ def _load(path: Path) -> list[dict]:
 
 def short_name(name: str) -> str:
     """A kernel's name without template arguments and parameter lists (still tells kernels apart)."""
-    name = re.sub(r"\(.*", "", name)
+    name = re.sub(r"\(.*", "", name.replace("(anonymous namespace)", "{anon}"))
     depth, out = 0, []
     for ch in name:
         if ch == "<":

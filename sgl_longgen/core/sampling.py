@@ -17,18 +17,21 @@ from .penalty import apply_penalty, window_mask
 NEG_INF = float("-inf")
 
 
-def exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``probs``: ``argmax_i p_i / E_i`` with independent ``E_i ~ Exp(1)``.
+def exponential_race(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of the distribution ``softmax(logits)``: ``argmax_i logits_i - log E_i``
+    with independent ``E_i ~ Exp(1)``, in float64.
 
     Exact: ``E_i / p_i`` is an exponential clock of rate ``p_i``, and the first of independent
-    clocks to ring is clock ``i`` with probability ``p_i / sum_j p_j`` (tokens of probability 0
-    never ring first). It is ``torch.multinomial``'s own algorithm for one draw, the same random
-    numbers and the same result, without the validity checks it queues before: a device-side
-    assert per check (about ten small kernels per draw on a GPU, where a plain step's draw is on
-    the critical path), and a failed one would kill the CUDA context instead of raising.
+    clocks to ring is clock ``i`` with probability ``p_i / sum_j p_j`` (a token of logit -inf
+    never rings first); in logs, the first to ring maximises ``log p_i - log E_i``, and the
+    normaliser of ``p`` is one constant for the row. It is ``torch.multinomial``'s own algorithm
+    for one draw (``argmax p_i / E_i``, the same random numbers), without what a GPU pays for
+    there on the critical path of a plain step: the softmax, a single-block kernel over a
+    vocabulary-wide row, and about ten small kernels of device-side validity checks (a failed one
+    would kill the CUDA context instead of raising).
     """
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return torch.div(probs, race, out=race).argmax(dim=-1)
+    race = torch.empty_like(logits, dtype=torch.float64).exponential_(generator=generator)
+    return torch.sub(logits.double(), race.log_(), out=race).argmax(dim=-1)
 
 
 def _keep_at_least(remove: torch.Tensor, logits: torch.Tensor, m: int) -> torch.Tensor:
@@ -132,6 +135,8 @@ class LogitsProcessor:
     def _joint_filters(self, logits: torch.Tensor) -> torch.Tensor:
         """SGLang's rule: top-k, top-p and min-p all judge one post-temperature distribution."""
         p = self.params
+        if not (0 < p.top_k < logits.shape[-1]) and p.top_p >= 1.0 and p.min_p <= 0:
+            return logits  # no filter set: skip the vocabulary-wide sort
         probs = torch.softmax(logits, -1)
         remove = torch.zeros_like(logits, dtype=torch.bool)
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -166,4 +171,4 @@ class LogitsProcessor:
         processed = self.process(logits, windows)
         if self.greedy:
             return processed.argmax(dim=-1)
-        return exponential_race(torch.softmax(processed.double(), dim=-1), generator)
+        return exponential_race(processed, generator)

@@ -39,3 +39,5 @@ def test_a_trace_folds_into_per_kernel_totals_per_graph_launch(tmp_path):
 def test_short_names_drop_templates_and_parameters():
     assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::Foo<float>>(int, Foo)") == \
         "at::native::vectorized_elementwise_kernel"
+    assert short_name("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, double>(double*, int)") == \
+        "at::native::{anon}::cunn_SoftMaxForward"

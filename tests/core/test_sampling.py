@@ -111,20 +111,29 @@ def test_sampling_draws_follow_the_processed_distribution():
 
 
 def test_the_exponential_race_is_multinomials_draw_without_its_checks():
-    """Same random numbers, same tokens: torch.multinomial's one-draw algorithm is the race, so the
-    race inherits its exactness; a race that read another number, or compared p * E, would differ."""
+    """Same random numbers, same tokens: torch.multinomial's one-draw algorithm is the race (on the
+    normalised probabilities), so the race on raw logits inherits its exactness; a race that read
+    other numbers, dropped the log or compared p * E would differ."""
     gen = torch.Generator().manual_seed(0)
-    probs = torch.softmax(torch.randn(400, 50, dtype=torch.float64, generator=gen) * 3, -1)
-    probs[:100, 10:] = 0.0  # rows with impossible tokens
-    probs[:100] /= probs[:100].sum(-1, keepdim=True)
-    ours = exponential_race(probs, torch.Generator().manual_seed(7))
+    logits = torch.randn(400, 50, dtype=torch.float32, generator=gen) * 3
+    logits[:100, 10:] = float("-inf")  # rows with impossible tokens
+    ours = exponential_race(logits, torch.Generator().manual_seed(7))
+    probs = torch.softmax(logits.double(), -1)
     theirs = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7)).squeeze(-1)
     assert torch.equal(ours, theirs)
     assert (ours[:100] < 10).all()
     # and the tokens follow the rows' law: one row drawn many times
     row = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
-    counts = torch.bincount(exponential_race(row.expand(20000, 4).clone(), gen), minlength=4).double() / 20000
+    counts = torch.bincount(exponential_race(row.log().expand(20000, 4), gen), minlength=4).double() / 20000
     assert counts[3] == 0 and torch.allclose(counts[:3], row[:3], atol=0.015)
+
+
+def test_joint_filters_left_unset_change_nothing():
+    logits = torch.randn(3, 6, dtype=torch.float64)
+    unset = LogitsProcessor(SamplingConfig(temperature=1.0, filter_order="joint"), 6)
+    assert torch.equal(unset.process(logits), logits)
+    top2 = LogitsProcessor(SamplingConfig(temperature=1.0, filter_order="joint", top_k=2), 6).process(logits)
+    assert (top2.isfinite().sum(-1) == 2).all()
 
 
 def test_banned_tokens_are_never_produced():

@@ -67,6 +67,24 @@ def test_prefix_kv_indices():
     assert torch.equal(indices, expect)
 
 
+@pytest.mark.parametrize("lens", [[5, 0, 11], [2500, 1, 1024, 0]])
+def test_prefix_slots_kernel_matches_the_torch_gather(lens):
+    """The grid over (request, chunk) writes what the torch reference writes, chunks past a short
+    prefix included (they must not write), across chunk boundaries."""
+    from sgl_longgen.kernels.prefix_slots import prefix_slots
+
+    g = torch.Generator().manual_seed(1)
+    req_to_token = torch.randperm(6 * 3000, generator=g).to(torch.int32).reshape(6, 3000)
+    rp = torch.tensor([5, 0, 3, 2][: len(lens)])
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref_indptr, ref = prefix_kv_indices(req_to_token, rp, seq_lens, sum(lens))
+    indptr = torch.full((len(lens) + 1,), -7, dtype=torch.int32)
+    out = torch.full((sum(lens) + 5,), -1, dtype=torch.int32)
+    prefix_slots(req_to_token, rp, seq_lens, indptr, out, max(lens))
+    assert torch.equal(indptr, ref_indptr)
+    assert torch.equal(out[: sum(lens)], ref) and (out[sum(lens):] == -1).all()
+
+
 def test_page_table_holds_each_prefix_row_by_row():
     """FA3's page table (page size 1) from the hybrid's flat prefix slots, into a wider buffer."""
     g = torch.Generator().manual_seed(3)
