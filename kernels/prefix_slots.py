@@ -47,7 +47,7 @@ def prefix_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq
     """Fill ``kv_indptr`` (``[bs + 1]``, cumulative ``seq_lens``) and ``kv_indices`` with the
     prefix slots; ``max_len``: a host bound of ``seq_lens`` (a shorter one drops slots)."""
     bs = seq_lens.numel()
-    kv_indptr[0] = 0
+    kv_indptr[:1].zero_()  # not ``[0] = 0``: a Python scalar is a blocking host-to-device copy
     kv_indptr[1 : bs + 1] = torch.cumsum(seq_lens, dim=0)
     if bs == 0 or max_len <= 0:
         return

@@ -118,7 +118,7 @@ def prefix_kv_indices(
     device = req_to_token.device
     if kv_indptr is None:
         kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
-    kv_indptr[0] = 0
+    kv_indptr[:1].zero_()
     kv_indptr[1 : bs + 1] = torch.cumsum(seq_lens.to(torch.int64), 0).to(torch.int32)
     if kv_indices is None:
         kv_indices = torch.empty(total, dtype=torch.int32, device=device)

@@ -71,15 +71,16 @@ def test_prefix_kv_indices():
 def test_prefix_slots_kernel_matches_the_torch_gather(lens):
     """The grid over (request, chunk) writes what the torch reference writes, chunks past a short
     prefix included (they must not write), across chunk boundaries."""
+    from kernel_cases import DEVICE
     from sgl_longgen.kernels.prefix_slots import prefix_slots
 
     g = torch.Generator().manual_seed(1)
-    req_to_token = torch.randperm(6 * 3000, generator=g).to(torch.int32).reshape(6, 3000)
-    rp = torch.tensor([5, 0, 3, 2][: len(lens)])
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    req_to_token = torch.randperm(6 * 3000, generator=g).to(torch.int32).reshape(6, 3000).to(DEVICE)
+    rp = torch.tensor([5, 0, 3, 2][: len(lens)], device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     ref_indptr, ref = prefix_kv_indices(req_to_token, rp, seq_lens, sum(lens))
-    indptr = torch.full((len(lens) + 1,), -7, dtype=torch.int32)
-    out = torch.full((sum(lens) + 5,), -1, dtype=torch.int32)
+    indptr = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=DEVICE)
+    out = torch.full((sum(lens) + 5,), -1, dtype=torch.int32, device=DEVICE)
     prefix_slots(req_to_token, rp, seq_lens, indptr, out, max(lens))
     assert torch.equal(indptr, ref_indptr)
     assert torch.equal(out[: sum(lens)], ref) and (out[sum(lens):] == -1).all()
