@@ -108,7 +108,7 @@ class Fa3Prefix:
     def _schedule(self, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
         """FA3's tile schedule for this plan, computed as its kernel would compute it per call."""
         get = _get_scheduler_metadata()
-        if get is None or dtype is None:
+        if get is None or dtype is None or self.page_table.device.type != "cuda":
             return None
         meta = get(batch_size=self.batch_size, max_seqlen_q=self.tree_size, max_seqlen_k=self.page_table.shape[1],
                    num_heads=self.num_qo_heads, num_heads_k=self.num_kv_heads, headdim=self.head_dim,
@@ -130,6 +130,7 @@ class Fa3Prefix:
         sees, as in a width-1 verify, needs no merge), ``(o, None)``."""
         bs, T, hq, d = self.batch_size, self.tree_size, self.num_qo_heads, self.head_dim
         hkv = self.num_kv_heads
+        schedule = {} if self.scheduler_metadata is None else {"scheduler_metadata": self.scheduler_metadata}
         result = _flash_attn_with_kvcache()(
             q=q.view(bs, T, hq, d),
             k_cache=k_buffer.view(-1, 1, hkv, d),
@@ -139,7 +140,7 @@ class Fa3Prefix:
             softmax_scale=sm_scale,
             causal=False,
             return_softmax_lse=return_lse,
-            scheduler_metadata=self.scheduler_metadata,
+            **schedule,
         )
         if not return_lse:
             o = result[0] if isinstance(result, (tuple, list)) else result

@@ -16,7 +16,8 @@ what differs in a serving engine:
 * **Decided a step ahead.** Drafters queue the next draft behind this step's commit; if the next
   step is plain that draft would be wasted, so the next step's kind is decided before the queueing
   (from the steps before this one: lossless all the same, the choice never sees a token it
-  governs) and kept if the batch is unchanged at the next step.
+  governs) and kept if the batch is unchanged at the next step. Except after a request's warm-up:
+  the step after it is decided when it begins, from what the warm-up committed.
 * **A plain step** is a verify of the root alone (a width-1 TARGET_VERIFY: on a GPU its own CUDA
   graph, see :mod:`.plain_graph`), the draws and commit of every other step, no draft forward;
   the worker may queue a run of them in one call (one token each), priced per token.
@@ -148,11 +149,20 @@ class AdaptiveSteps:
 
         The controllers have not seen this step's outcome yet. If it is a probe for every request
         that decides, they would still find a probe due and probe twice in a row: the step after
-        a probe is plain, and the one after that knows whether the probe paid.
+        a probe is plain, and the one after that knows whether the probe paid. If it ends some
+        request's warm-up, its outcome is the first evidence that request has: nothing is planned
+        (PLAIN here: no draft queued) and the next step is decided when it begins, from it, instead
+        of speculating a second time blind (a draft forward and a wide verify for about one token
+        where drafts do not pay; where they do, one draft is queued a little later).
         """
         states = [self.state(s) for s in steps]
-        kind, probes, hints = self._decide(steps, states, self._costs(steps, width))
         cur = self._current
+        if cur is not None and cur.kind == SPECULATE and any(
+                st.controller is not None and s.blocker is None and st.controller.spec_steps + 1 == self.config.warmup
+                for s, st in zip(steps, states)):
+            self._planned = None
+            return PLAIN
+        kind, probes, hints = self._decide(steps, states, self._costs(steps, width))
         if kind == SPECULATE and cur is not None and cur.kind == SPECULATE and cur.probes:
             deciding = [s.rid for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
             if deciding and all(cur.probes.get(rid, False) for rid in deciding) and all(

@@ -107,6 +107,22 @@ def test_a_plan_holds_only_for_the_batch_it_was_made_for(clock):
     assert planner.begin([a.step(), b.step()]) == SPECULATE  # b joined: decided afresh (b warms up)
 
 
+@pytest.mark.parametrize("committed,second", [(1, PLAIN), (6, SPECULATE)])
+def test_the_step_after_a_warm_up_is_decided_from_it(clock, committed, second):
+    """Planned during the warm-up, the second step would speculate blind; decided when it begins
+    it follows what the warm-up committed (costs known from an earlier request of the shape)."""
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    run(planner, [Request("a")], {"steps": 30, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    assert planner.costs.get(1, 100).plain.value is not None and planner.costs.get(1, 100).spec.value is not None
+    b = Request("b")
+    steps = [b.step()]
+    assert planner.begin(steps) == SPECULATE  # the warm-up
+    assert planner.plan(steps, 64) == PLAIN and planner._planned is None  # nothing queued, nothing planned
+    planner.record(steps, [committed], SPECULATE)
+    clock.now += 3.0
+    assert planner.begin([b.step()]) == second
+
+
 def test_bad_overrides_are_refused_before_the_scheduler():
     check_custom_params({"custom_params": {"longgen_speculation": "auto"}})
     check_custom_params([{"max_new_tokens": 3}, None])
