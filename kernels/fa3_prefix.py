@@ -118,7 +118,7 @@ class Fa3Prefix:
         # A captured graph reads the schedule from where it was at capture: keep one buffer per
         # batch size (its size depends on nothing else) and refill it.
         buf = self._schedule_bufs.get(self.batch_size)
-        if buf is None or buf.shape != meta.shape:
+        if buf is None:
             buf = self._schedule_bufs[self.batch_size] = meta
         else:
             buf.copy_(meta)

@@ -7,7 +7,7 @@ program per request, which walks the row alone: at 98K tokens and batch 1 that i
 adaptive speculation included (SGLang's FA3 decode copies its page table with a grid-wide
 gather instead). Here a program copies one ``BLOCK`` of one row, so the copy spreads over the
 GPU. The grid's width needs a host bound of the lengths (a CUDA-graph replay and an eager verify
-both have one). :func:`sgl_longgen.kernels.verify_metadata.prefix_kv_indices` is the torch
+know the longest prefix; the table's row width bounds them all). :func:`sgl_longgen.kernels.verify_metadata.prefix_kv_indices` is the torch
 reference (and the CPU path); the tests compare the two.
 """
 

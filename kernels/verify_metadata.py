@@ -112,7 +112,7 @@ def prefix_kv_indices(
 
     ``kv_indices[kv_indptr[b] + p] = req_to_token[req_pool_indices[b], p]`` for ``p < seq_lens[b]``;
     ``total`` is ``sum(seq_lens)`` known on the host. Optional outputs may be larger buffers.
-    Torch reference of SGLang's ``create_flashinfer_kv_indices_triton``.
+    Torch reference of :func:`sgl_longgen.kernels.prefix_slots.prefix_slots`.
     """
     bs = seq_lens.numel()
     device = req_to_token.device

@@ -289,9 +289,11 @@ class AdaptiveController:
         """Tokens a speculative step is expected to commit by the method's ``hint`` (None: no hint)."""
         return None if hint is None else 1.0 + self.hint_scale() * max(0.0, hint)
 
-    def estimate(self, hint: float | None = None) -> float | None:
-        """The larger of the two estimates (statistics, hint) of a speculative step's tokens."""
-        values = [e for e in (self.committed.value, self.expected_from_hint(hint)) if e is not None]
+    def estimate(self, hint: float | None = None, width: int | None = None) -> float | None:
+        """The larger of the two estimates of a speculative step's tokens at ``width``: its
+        statistics and, for the whole draft (``width`` None), the method's hint."""
+        from_hint = self.expected_from_hint(hint) if width is None else None
+        values = [e for e in (self.expected_at(width), from_hint) if e is not None]
         return max(values) if values else None
 
     def expected_at(self, width: int | None) -> float | None:
@@ -546,10 +548,7 @@ def decide_batch(controllers: list[AdaptiveController], costs: StepCosts,
                        for w, cost in _measured_widths(controllers[0], costs))
             kind = SPECULATE if pays else PLAIN
         else:
-            expected = 0.0
-            for c, h in zip(controllers, hints):
-                e = c.estimate(h)
-                expected += e if e is not None else spec / plain
+            expected = _batch_expected(controllers, None, spec, plain, hints)
             kind = SPECULATE if expected * plain >= len(controllers) * spec else PLAIN
     probes = [kind == SPECULATE and c.probing for c in controllers]
     return kind, probes
@@ -606,10 +605,6 @@ def _batch_expected(controllers: list[AdaptiveController], width: int | None, co
     for the whole draft (``width`` None), where it raises the request's estimate."""
     total = 0.0
     for i, c in enumerate(controllers):
-        e = c.expected_at(width)
-        if width is None and hints is not None:
-            from_hint = c.expected_from_hint(hints[i])
-            if from_hint is not None:
-                e = from_hint if e is None else max(e, from_hint)
+        e = c.estimate(hints[i] if hints is not None else None, width)
         total += e if e is not None else (cost / plain if plain else 1.0)
     return total

@@ -100,7 +100,6 @@ GPU_SYMBOLS: tuple[Need, ...] = (
     Need("sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend", "the longgen backend's base"),
     Need("sglang.srt.layers.attention.flashinfer_backend.PrefillMetadata", "the longgen backend's check mode"),
     Need("sglang.srt.runtime_context.get_parallel", "attention heads per TP rank"),
-    Need("sglang.kernels.ops.attention.utils.create_flashinfer_kv_indices_triton", "prefix slots of a verify batch"),
     Need("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
          "adaptive speculation: the target's width-1 graphs for plain steps"),
 )

@@ -55,7 +55,6 @@ from typing import Dict, Optional
 
 import torch
 
-from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend, PrefillMetadata
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
@@ -271,29 +270,17 @@ class LongGenAttnBackend(FlashInferAttnBackend):
 
     def _fill_prefix_indices(self, req_pool_indices, seq_lens, kv_indptr, kv_indices, total=None,
                              max_len: int | None = None) -> None:
-        """Prefix slots of each request into ``kv_indptr``/``kv_indices``: on a GPU, with a host
-        bound ``max_len`` of the lengths, our kernel over (request, chunk) (SGLang's walks each row
-        with one program: a tenth of a millisecond per step at 98K), else SGLang's."""
-        bs = seq_lens.numel()
+        """Prefix slots of each request into ``kv_indptr``/``kv_indices``: on a GPU a grid over
+        (request, chunk) (:mod:`sgl_longgen.kernels.prefix_slots`), as wide as ``max_len``, a host
+        bound of the lengths (None: the table's row width, which bounds every prefix)."""
         req_to_token = self.req_to_token_pool.req_to_token
         if req_to_token.device.type != "cuda":
             if total is None:
                 total = int(seq_lens.sum())
             prefix_kv_indices(req_to_token, req_pool_indices, seq_lens, total, kv_indptr=kv_indptr, kv_indices=kv_indices)
             return
-        if max_len is not None:
-            prefix_slots(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices, max_len)
-            return
-        kv_indptr[1 : bs + 1] = torch.cumsum(seq_lens, dim=0)
-        create_flashinfer_kv_indices_triton[(bs,)](
-            req_to_token,
-            req_pool_indices,
-            seq_lens,
-            kv_indptr,
-            None,
-            kv_indices,
-            req_to_token.shape[1],
-        )
+        prefix_slots(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+                     max_len if max_len is not None else req_to_token.shape[1])
 
     # --------------------------------------------------- CUDA-graph metadata
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, kv_indices_buf: Optional[torch.Tensor] = None):
