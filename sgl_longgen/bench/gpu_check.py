@@ -240,13 +240,14 @@ def host_figures(steps: list[dict], tau: float | None) -> dict[str, float]:
     return out
 
 
-def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> dict:
+def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, profile_dir: Path | None = None) -> dict:
     """Median time (CUDA events, L2 flushed) of one OWL tree expansion for an 8B-shaped target, batch 1:
     the PyTorch beam eagerly and replayed as a CUDA graph, and the fused-kernel beam's graph (what the
     OWL worker replays by default). ``draft_vocab`` N > 0: the head covers a random map of N target
     tokens (its cost does not depend on which). ``compiled``: also the graph of the
     ``torch.compile``d beam. Other beams round differently from the eager one: ``*_token_agreement``
-    is the share of draft nodes holding the same token."""
+    is the share of draft nodes holding the same token. ``profile_dir``: each graph's per-kernel
+    totals there (:func:`.kernel_trace.profile`)."""
     import torch
 
     from ..core.owl import GraphedExpand, OwlDrafter, expand
@@ -278,6 +279,8 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> 
                 graphed = GraphedExpand(drafter, **shape, **kwargs)
                 beam = graphed(h, root, h, has)
                 out[f"{name}_ms"] = round(time_us(lambda: graphed(h, root, h, has)) / 1e3, 3)
+                if profile_dir is not None:
+                    _profile(lambda: graphed(h, root, h, has), profile_dir / f"owl-{width}x{draft_vocab}-{name}")
                 out[f"{name}_token_agreement"] = round(float((beam.tokens == eager_beam.tokens).float().mean()), 3)
             except Exception as exc:  # report, do not lose the other numbers
                 out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -285,7 +288,7 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False) -> 
 
 
 def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, config: dict = LLAMA_8B,
-                        device: str = "cuda", draft_vocab: int = 0) -> dict:
+                        device: str = "cuda", draft_vocab: int = 0, profile_dir: Path | None = None) -> dict:
     """Median time (CUDA events, L2 flushed) of one full LongSpec beam expansion for an 8B-shaped
     target, ``batch`` requests at each context length: a steady step (the ring already holds the
     window; the last committed token and the root are fed), its cross-attention reading the
@@ -294,7 +297,8 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     the gather + SDPA twin. Random weights: the tree's shape, not its tokens, sets the cost.
     ``draft_vocab`` N (0 < N < vocabulary): the same block again with a reduced draft vocabulary,
     its head the target's rows at a random map of N tokens (the cost does not depend on which),
-    gathered once as the worker does: the same figures prefixed ``reduced_``."""
+    gathered once as the worker does: the same figures prefixed ``reduced_``. ``profile_dir``: the
+    graphed step's per-kernel totals there (:func:`.kernel_trace.profile`)."""
     import msgspec
     import torch
 
@@ -343,14 +347,15 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         for prefix, (drafter, head) in variants.items():
             rings = [WindowCache(kv_heads, window, head_dim, dt, dev) for _ in range(batch)]
             _time_beams(row, prefix, drafter, embed, head, rope, rings, rows, tokens, L, batch, window,
-                        (k_buffer, v_buffer), max(contexts), dev)
+                        (k_buffer, v_buffer), max(contexts), dev,
+                        None if profile_dir is None else profile_dir / f"longspec-{prefix or 'full_'}{L}")
         out[str(L)] = row
         del rows
     return out
 
 
 def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rings, rows, tokens: list[int], L: int,
-                batch: int, window: int, buffers, max_context: int, dev) -> None:
+                batch: int, window: int, buffers, max_context: int, dev, profile_to: Path | None = None) -> None:
     """One drafter's (and head's) figures at one context into ``row``, keys prefixed ``prefix``."""
     import torch
 
@@ -401,8 +406,18 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rings, rows,
                 graph_step()
                 row[f"{prefix}beam_graph_ms"] = round(time_us(graph_step) / 1e3, 3)
                 row[f"{prefix}beam_graph_used"] = graphed.enabled
+                if profile_to is not None:
+                    _profile(graph_step, profile_to)
             except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
                 row[f"{prefix}beam_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _profile(fn, path: Path) -> None:
+    """Per-kernel totals of ten calls of ``fn`` into ``path``.md (the trace beside it)."""
+    from .kernel_trace import markdown, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".md").write_text(markdown(profile(fn, path.with_suffix(".json")), top=40))
 
 
 def host_profile_summary(path: Path, top: int = 30) -> dict:
@@ -599,7 +614,7 @@ def phase_owl(args, report: dict) -> None:
     vocab = LLAMA_8B["vocab_size"]
     draft_vocab = args.owl_draft_vocab if 0 < args.owl_draft_vocab < vocab else vocab
     for width in args.owl_width:
-        r = owl_drafter_ms(width, draft_vocab, args.owl_compile)
+        r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile)
         r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
         for name in ("graph", "fused_graph", "compiled_graph"):
             if f"{name}_ms" in r:
@@ -610,7 +625,8 @@ def phase_owl(args, report: dict) -> None:
 
 
 def phase_longspec(args, report: dict) -> None:
-    r = longspec_drafter_ms(args.contexts, args.longspec_batch, draft_vocab=args.longspec_draft_vocab)
+    r = longspec_drafter_ms(args.contexts, args.longspec_batch, draft_vocab=args.longspec_draft_vocab,
+                            profile_dir=args.profile)
     for L in args.contexts:
         ar_ms = report.get("ar_step_ms", {}).get(str(L), float("nan"))
         row = r[str(L)]
@@ -668,6 +684,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
                         "token map (0: the full head only)")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="--phase owl / longspec: the graphed drafters' per-kernel totals into DIR")
     return p
 
 

@@ -7,6 +7,9 @@ device spends busy and idle, not the timeline itself: :func:`summarize` folds a 
 per CUDA-graph launch (one forward each in a decode step), and :func:`markdown` prints it.
 
     python -m sgl_longgen.bench.kernel_trace TRACE.json.gz [TRACE2 ...] [--top 30]
+
+:func:`profile` does the same for a callable of our own (a graphed step, a drafter's beam):
+it runs it under torch's profiler and folds the trace it writes.
 """
 
 from __future__ import annotations
@@ -87,17 +90,39 @@ def summarize(path: Path) -> dict:
             "runtime_calls": calls}
 
 
+def profile(fn, path: Path, steps: int = 10, warmup: int = 2) -> dict:
+    """:func:`summarize` of ``steps`` calls of ``fn`` (after ``warmup`` untraced ones) under torch's
+    profiler, its trace written to ``path``; ``"calls"`` in the summary is ``steps``, so totals
+    divide into per-call figures even where ``fn`` launches no graph."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    summary = summarize(path)
+    summary["calls"] = steps
+    return summary
+
+
 def markdown(summary: dict, top: int = 30) -> str:
-    n = max(1, summary["graph_launches"])
+    n = max(1, summary.get("calls") or summary["graph_launches"])
+    per = "per call" if summary.get("calls") else "per launch"
     lines = [f"### {summary['trace']}",
              f"{summary['graph_launches']} graph launches, {summary['device_events']} device events; busy "
              f"{summary['busy_us'] / 1e3:.2f} ms of a {summary['span_us'] / 1e3:.2f} ms span "
-             f"(per launch: {summary['busy_us'] / n:.1f} us busy, {summary['span_us'] / n:.1f} us span, "
+             f"({per}: {summary['busy_us'] / n:.1f} us busy, {summary['span_us'] / n:.1f} us span, "
              f"{summary['device_events'] / n:.1f} events)", "",
-             "| kernel | count | per launch | total us | per launch us |", "|---|---|---|---|---|"]
+             f"| kernel | count | {per} | total us | {per} us |", "|---|---|---|---|---|"]
     for row in summary["kernels"][:top]:
         lines.append(f"| {row['name']} | {row['count']} | {row['count'] / n:.1f} | {row['us']:.0f} | {row['us'] / n:.1f} |")
-    lines += ["", "| host call into CUDA | count | per launch | total us | per launch us |", "|---|---|---|---|---|"]
+    lines += ["", f"| host call into CUDA | count | {per} | total us | {per} us |", "|---|---|---|---|---|"]
     for row in summary["runtime_calls"][:12]:
         lines.append(f"| {row['name']} | {row['count']} | {row['count'] / n:.1f} | {row['us']:.0f} | {row['us'] / n:.1f} |")
     return "\n".join(lines) + "\n"

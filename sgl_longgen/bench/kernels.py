@@ -37,6 +37,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -46,6 +47,7 @@ from ..kernels.folded_decode import fold_supported
 from ..kernels.hybrid import HybridTreeAttention
 from ..kernels.prefix_attention import PrefixKernelConfig, prefix_kernel_config
 from ..kernels.reference import random_tree_mask
+from .kernel_trace import markdown, profile
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -337,8 +339,10 @@ class SyntheticLlama:
         return self._norm(x) @ self.lm_head.t()
 
 
-def time_step_ms(model, T, prefix_len, attn, device) -> Tuple[float, str]:
-    """Median replay time of one forward step in a CUDA graph (eager timing if capture fails)."""
+def time_step_ms(model, T, prefix_len, attn, device, profile_to: Optional[Path] = None) -> Tuple[float, str]:
+    """Median replay time of one forward step in a CUDA graph (eager timing if capture fails).
+    ``profile_to``: also ten replays under torch's profiler, their trace there and its per-kernel
+    summary beside it (``.md``)."""
     x = torch.randn(T, model.hidden, dtype=DTYPE, device=device)
     out_loc = torch.arange(prefix_len, prefix_len + T, device=device)
     step = lambda: model.forward(x, out_loc, attn)  # noqa: E731
@@ -368,20 +372,24 @@ def time_step_ms(model, T, prefix_len, attn, device) -> Tuple[float, str]:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
+    if profile_to is not None:
+        profile_to.with_suffix(".md").write_text(markdown(profile(run, profile_to.with_suffix(".json"))))
     return sorted(times)[len(times) // 2], mode
 
 
-def step_table(contexts, trees, device, num_layers, rows: List[Dict]) -> None:
+def step_table(contexts, trees, device, num_layers, rows: List[Dict], profile_dir: Optional[Path] = None) -> None:
     g = torch.Generator().manual_seed(1)
+    traced = (lambda name: profile_dir / name) if profile_dir is not None else (lambda name: None)  # noqa: E731
     workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
     model = SyntheticLlama(num_layers, max(contexts) + max(trees) + 1, device)
     for ctx in contexts:
-        t_ar, m_ar = time_step_ms(model, 1, ctx, FlashInferDecode(workspace, ctx, device), device)
+        t_ar, m_ar = time_step_ms(model, 1, ctx, FlashInferDecode(workspace, ctx, device), device,
+                                  traced(f"step-ar-{ctx}"))
         for T in trees:
             tree = random_tree_mask(1, T, generator=g)[0].to(device)
             t_sg, m_sg = time_step_ms(model, T, ctx, FlashInferVerify(workspace, ctx, tree, device), device)
             hyb = Hybrid(ctx, tree, device, "auto")
-            t_hy, m_hy = time_step_ms(model, T, ctx, hyb, device)
+            t_hy, m_hy = time_step_ms(model, T, ctx, hyb, device, traced(f"step-hybrid-{ctx}-T{T}"))
             row = dict(table="step", ctx=ctx, T=T, ar_ms=t_ar, sglang_ms=t_sg, hybrid_ms=t_hy,
                        hybrid_path=hyb.path, timing=f"{m_ar}/{m_sg}/{m_hy}", layers=num_layers)
             other = ""
@@ -421,6 +429,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (step table)")
     parser.add_argument("--tune", action="store_true", help="sweep Triton prefix tiles (attention table)")
     parser.add_argument("--json", help="write all numbers to this file")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="step table: per-kernel totals of the AR and hybrid steps' graph replays into DIR")
     parser.add_argument("--heads", default=f"{NUM_Q_HEADS}/{NUM_KV_HEADS}",
                         help="query/KV heads of the attention shape, e.g. 28/4 (Qwen2.5-7B, GQA group 7)")
     args = parser.parse_args(argv)
@@ -454,7 +464,9 @@ def main(argv=None) -> int:
         cascade_table(args.cascade_batch, args.cascade_shared, args.cascade_own, cascade_trees, device, rows)
     if args.mode in ("all", "step"):
         print(f"# whole forward step, synthetic Llama-3.1-8B, {args.layers} layers, CUDA graphs (ms)", flush=True)
-        step_table(contexts, trees, device, args.layers, rows)
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        step_table(contexts, trees, device, args.layers, rows, args.profile)
     print(f"# done in {time.time() - t0:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:

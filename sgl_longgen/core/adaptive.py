@@ -70,6 +70,18 @@ steps that hints take :data:`HINT_SHARE` of the plain time (:meth:`AdaptiveContr
 with the runtime's measured seconds per hint). Lossless for the same reason: a hint is a
 function of the committed tokens only.
 
+Workload priors (:class:`WorkloadPrior`): a new request knows nothing of its own, so it warms up
+by speculating, and then probes at ``probe_every``. Where the drafts of a workload do not pay
+(a sampled workload whose drafter predicts nothing) every request pays those steps again, the
+dearest of its life (a method's first draft also sets it up: TokenSwift scores the whole context
+for its partial KV). An engine keeps what its recent requests of one kind learned (greedy and
+sampled apart: their acceptance differs most): the decayed acceptance over their speculative
+steps, the calibration of the method's hints and the probe interval. A request that starts with
+such a prior takes it as one step's evidence instead of a warm-up, and starts probing at the
+workload's interval; its own steps soon outweigh it. Lossless for the reason the rest is: the
+other requests' steps are past steps, drawn with randomness of their own, so they carry nothing
+of the token this request draws next.
+
 A batch takes one kind of step (:func:`decide_batch`): the controllers of its requests share
 the costs of the batch's shape (:class:`CostTable`: measured per batch size and context length,
 which is what a step's price depends on) and the batch speculates when the requests' expected
@@ -207,6 +219,34 @@ class CostTable:
         return sorted(self._costs.items())
 
 
+class WorkloadPrior:
+    """What the recent requests of one workload learned, for the next request to start from.
+
+    Fed by every speculative step of the controllers made with it (decayed per such step, so it
+    follows the workload's last tens of steps, whichever requests took them): tokens committed per
+    step (per draft width too, where widths are configured), the hints' calibration, and the
+    probe interval the last probe left. :meth:`AdaptiveController.__init__` seeds a new request from
+    it once it holds any step.
+    """
+
+    def __init__(self, decay: float, widths: Sequence[int] = ()):
+        self.committed = DecayedMean(decay)
+        self.at_width: dict[int | None, DecayedMean] = (
+            {w: DecayedMean(decay) for w in [*widths, None]} if widths else {})
+        self.hint_accepted = DecayedMean(decay)
+        self.hint_given = DecayedMean(decay)
+        self.interval: int | None = None
+
+    @property
+    def known(self) -> bool:
+        """Some request's speculative step has been seen."""
+        return self.committed.value is not None
+
+    def _tick(self) -> None:
+        for mean in (self.committed, self.hint_accepted, self.hint_given, *self.at_width.values()):
+            mean.tick()
+
+
 class AdaptiveController:
     """One request's choice between a speculative and a plain step.
 
@@ -219,10 +259,17 @@ class AdaptiveController:
     With ``config.widths``, a speculative :meth:`decide` also sets :attr:`width` (the ``max_nodes``
     to draft with, None: the full draft) and :meth:`record_spec` takes the width the step verified
     and the accepted path's node positions (``Verdict.nodes``, the root's 0 first).
+
+    ``prior``: the workload's :class:`WorkloadPrior`, shared by the controllers of one engine's
+    requests of a kind. One that has seen a step seeds this request (its acceptance as one step of
+    evidence, the hints' calibration, the probe interval; no warm-up), and every speculative step
+    of this request feeds it.
     """
 
-    def __init__(self, config: AdaptiveConfig, costs: StepCosts | None = None):
+    def __init__(self, config: AdaptiveConfig, costs: StepCosts | None = None, prior: WorkloadPrior | None = None):
         self.config = config
+        self.prior = prior
+        self.warmup = config.warmup  # speculative steps before the first decision (none with a prior)
         self.committed = DecayedMean(config.decay)  # tokens per speculative step (the bonus included)
         self.by_source: dict[str, DecayedMean] = {}
         self.costs = costs if costs is not None else StepCosts(config.decay)
@@ -249,6 +296,22 @@ class AdaptiveController:
         self.hints = 0  # hints the runtime computed
         self.since_hint = 0  # plain steps since the last hint
         self._hinted = False
+        if prior is not None and prior.known:
+            self._seed(prior)
+
+    def _seed(self, prior: WorkloadPrior) -> None:
+        """Start from the workload's evidence: its acceptance as one step's worth, its hints'
+        calibration as it stands, its probe interval; the warm-up is what a prior replaces."""
+        self.committed.add(prior.committed.value)
+        for width, mean in self.at_width.items():
+            seen = prior.at_width.get(width)
+            if seen is not None and seen.value is not None:
+                mean.add(seen.value)
+        for mine, theirs in ((self.hint_accepted, prior.hint_accepted), (self.hint_given, prior.hint_given)):
+            mine.total, mine.weight = theirs.total, theirs.weight
+        if prior.interval is not None:
+            self.interval = prior.interval
+        self.warmup = 0
 
     # -- the decision --------------------------------------------------------------------------
 
@@ -354,7 +417,7 @@ class AdaptiveController:
         took ``1 / HINT_SHARE`` times a hint's measured cost."""
         costs = costs or self.costs
         plain = costs.plain.value
-        if self.spec_steps < self.config.warmup or plain is None or self.worth(costs):
+        if self.spec_steps < self.warmup or plain is None or self.worth(costs):
             return False
         cost = self.hint_cost.value
         return cost is None or self.since_hint * plain * HINT_SHARE >= cost
@@ -395,7 +458,7 @@ class AdaptiveController:
         costs = costs or self.costs
         self._probing = self._hinted = False
         self.width, self._forced = None, False  # warm-up and probes: the full draft, due
-        if self.spec_steps < cfg.warmup:
+        if self.spec_steps < self.warmup:
             self._forced = bool(self.widths)
             return SPECULATE
         if costs.plain.value is None:
@@ -427,7 +490,7 @@ class AdaptiveController:
         """
         costs = costs or self.costs
         plain = costs.plain.value
-        if self.spec_steps < self.config.warmup or plain is None or plain <= 0 or self.worth(costs):
+        if self.spec_steps < self.warmup or plain is None or plain <= 0 or self.worth(costs):
             return 1
         spec = costs.spec.value if costs.spec.value is not None else plain
         due = self.interval * spec / plain - self.since_spec  # decide() probes once this is <= 0
@@ -454,10 +517,14 @@ class AdaptiveController:
         if hinted is None:
             hinted = self._hinted
         self._tick()
-        self.committed.add(committed)
-        if hint is not None and hint > 0:
-            self.hint_accepted.add(max(0, committed - 1))
-            self.hint_given.add(hint)
+        prior = self.prior
+        if prior is not None:
+            prior._tick()
+        for owner in (self, prior) if prior is not None else (self,):
+            owner.committed.add(committed)
+            if hint is not None and hint > 0:
+                owner.hint_accepted.add(max(0, committed - 1))
+                owner.hint_given.add(hint)
         if hinted:
             self.hinted_steps += 1
             self._hinted = False
@@ -480,6 +547,8 @@ class AdaptiveController:
                 self.interval = cfg.probe_every
             else:
                 self.interval = min(cfg.probe_max, max(self.interval, round(self.interval * cfg.probe_growth)))
+            if prior is not None:
+                prior.interval = self.interval
             self._probing = False
 
     def _record_width(self, committed: int, width: int | None, nodes: Sequence[int] | None) -> None:
@@ -487,16 +556,21 @@ class AdaptiveController:
         cut of the trie would have committed (the accepted nodes before the cut, the bonus)."""
         self.width_steps[width] = self.width_steps.get(width, 0) + 1
         self.since_full = 0 if width is None else self.since_full + 1
-        mean = self.at_width.get(width)
         if nodes is None:
-            if mean is not None:
-                mean.add(committed)
+            self._width_sample(width, committed)
             return
         if width is None:
-            self.at_width[None].add(committed)
+            self._width_sample(None, committed)
         for w in self.widths:
             if width is None or w <= width:
-                self.at_width[w].add(sum(1 for n in nodes if n < w))  # the root (0) is the bonus's slot
+                self._width_sample(w, sum(1 for n in nodes if n < w))  # the root (0) is the bonus's slot
+
+    def _width_sample(self, width: int | None, committed: int) -> None:
+        """What a step at ``width`` commits (or would have), here and in the workload's prior."""
+        for at_width in (self.at_width, self.prior.at_width if self.prior is not None else {}):
+            mean = at_width.get(width)
+            if mean is not None:
+                mean.add(committed)
 
     def _tick(self) -> None:
         """One more step (of either kind): older acceptance evidence weighs less."""

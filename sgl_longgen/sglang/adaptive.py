@@ -18,6 +18,10 @@ what differs in a serving engine:
   (from the steps before this one: lossless all the same, the choice never sees a token it
   governs) and kept if the batch is unchanged at the next step. Except after a request's warm-up:
   the step after it is decided when it begins, from what the warm-up committed.
+* **Requests start from the workload.** A new request's controller is seeded from what the
+  engine's earlier requests of its kind (greedy, or sampled) learned
+  (:class:`~sgl_longgen.core.adaptive.WorkloadPrior`), instead of warming up blind: on a workload
+  whose drafts do not pay, its first steps are plain ones.
 * **A plain step** is a verify of the root alone (a width-1 TARGET_VERIFY: on a GPU its own CUDA
   graph, see :mod:`.plain_graph`), the draws and commit of every other step, no draft forward;
   the worker may queue a run of them in one call (one token each), priced per token.
@@ -45,7 +49,7 @@ import msgspec
 
 from .. import env
 from ..config import AdaptiveConfig
-from ..core.adaptive import PLAIN, SPECULATE, AdaptiveController, CostTable, StepCosts, decide_batch
+from ..core.adaptive import PLAIN, SPECULATE, AdaptiveController, CostTable, StepCosts, WorkloadPrior, decide_batch
 
 AUTO, ON, OFF = "auto", "on", "off"
 MODES = (AUTO, ON, OFF)
@@ -104,6 +108,7 @@ class AdaptiveSteps:
         self.config = config
         self.default = AUTO if config.enabled else ON
         self.costs = CostTable(config.decay)
+        self.priors = {greedy: WorkloadPrior(config.decay, config.widths) for greedy in (True, False)}
         self.hint = hint  # a step request's method hint (None: the drafter has none)
         self._current: _Step | None = None  # the step in progress, then the last one (its cycle)
         self._planned: tuple[frozenset, str, dict[str, bool], dict] | None = None
@@ -115,7 +120,8 @@ class AdaptiveSteps:
         if rs.adaptive is None:
             mode = request_mode(step.req, self.default)
             params = step.req.sampling_params.custom_params or {}
-            rs.adaptive = RequestAdaptive(mode, AdaptiveController(self.config) if mode == AUTO else None,
+            prior = self.priors[step.sampling.greedy]
+            rs.adaptive = RequestAdaptive(mode, AdaptiveController(self.config, prior=prior) if mode == AUTO else None,
                                           bool(params.get("longgen_report", False)))
         return rs.adaptive
 
@@ -158,7 +164,7 @@ class AdaptiveSteps:
         states = [self.state(s) for s in steps]
         cur = self._current
         if cur is not None and cur.kind == SPECULATE and any(
-                st.controller is not None and s.blocker is None and st.controller.spec_steps + 1 == self.config.warmup
+                st.controller is not None and s.blocker is None and st.controller.spec_steps + 1 == st.controller.warmup
                 for s, st in zip(steps, states)):
             self._planned = None
             return PLAIN

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from sgl_longgen.config import AdaptiveConfig, GenerateConfig, load_generate_config
-from sgl_longgen.core.adaptive import (PLAIN, SPECULATE, AdaptiveController, CostTable, StepCosts, context_bucket,
-                                       decide_batch)
+from sgl_longgen.core.adaptive import (PLAIN, SPECULATE, AdaptiveController, CostTable, StepCosts, WorkloadPrior,
+                                       context_bucket, decide_batch)
 from sgl_longgen.errors import LonggenError
 
 PLAIN_COST = 1.0
@@ -302,3 +302,39 @@ def test_a_batch_counts_its_requests_hints():
     ctrls, costs = batch_controllers(2, [1, 1], spec=2.0, plain=1.0)
     kind, probes = decide_batch(ctrls, costs, [None, 3.0])
     assert kind == SPECULATE and ctrls[1].hinted and probes == [False, False]
+
+
+def test_a_workload_prior_replaces_the_warm_up_and_carries_what_earlier_requests_learned():
+    cfg = AdaptiveConfig(probe_every=4, probe_growth=2.0, probe_max=64, refresh_every=0)
+    costs = StepCosts()
+    costs.spec.add(2.0)
+    costs.plain.add(PLAIN_COST)
+    prior = WorkloadPrior(cfg.decay)
+    first = AdaptiveController(cfg, costs, prior)
+    assert first.warmup == cfg.warmup and first.decide(costs) == SPECULATE  # nothing seen yet: warm up
+    first.record_spec(1, hint=3.0)  # a hinted step that accepted nothing
+    for _ in range(100):  # drafts never pay: plain, probes that fail, the interval grows
+        if first.decide(costs) == SPECULATE:
+            first.record_spec(1, probe=True, costs=costs)
+        else:
+            first.record_plain()
+    assert first.interval > cfg.probe_every and prior.interval == first.interval
+
+    second = AdaptiveController(cfg, costs, prior)
+    assert second.warmup == 0 and second.expected() == pytest.approx(1.0)
+    assert second.interval == first.interval and second.hint_scale() < 1.0  # the hint overpromised for `first`
+    kinds = [second.decide(costs) for _ in range(1)]
+    assert kinds == [PLAIN]  # no blind warm-up where the workload's drafts do not pay
+    for _ in range(3):
+        second.record_spec(5, probe=False, costs=costs)  # this request's drafts do pay
+    assert second.decide(costs) == SPECULATE  # its own steps outweigh the prior at once
+    assert prior.committed.value > 1.0  # and feed it for the next request
+
+
+def test_a_controller_without_a_prior_is_unchanged_by_other_requests():
+    cfg = AdaptiveConfig()
+    prior = WorkloadPrior(cfg.decay)
+    busy = AdaptiveController(cfg, prior=prior)
+    run(busy, 50, lambda i: 1, 2.0)
+    alone = AdaptiveController(cfg)
+    assert alone.warmup == cfg.warmup and alone.expected() is None and alone.decide() == SPECULATE

@@ -13,13 +13,15 @@ from sgl_longgen.sglang.validation import check_custom_params
 
 
 class Request:
-    def __init__(self, rid: str, **custom):
+    def __init__(self, rid: str, greedy: bool = False, **custom):
         self.req = SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=custom or None))
         self.state = SimpleNamespace(adaptive=None)
         self.rid = rid
+        self.sampling = SimpleNamespace(greedy=greedy)
 
     def step(self, seq_len: int = 100):
-        return SimpleNamespace(rid=self.rid, req=self.req, state=self.state, seq_len=seq_len, blocker=None)
+        return SimpleNamespace(rid=self.rid, req=self.req, state=self.state, seq_len=seq_len, blocker=None,
+                               sampling=self.sampling)
 
 
 def run(planner: AdaptiveSteps, reqs, kinds_committed, clock):
@@ -110,9 +112,11 @@ def test_a_plan_holds_only_for_the_batch_it_was_made_for(clock):
 @pytest.mark.parametrize("committed,second", [(1, PLAIN), (6, SPECULATE)])
 def test_the_step_after_a_warm_up_is_decided_from_it(clock, committed, second):
     """Planned during the warm-up, the second step would speculate blind; decided when it begins
-    it follows what the warm-up committed (costs known from an earlier request of the shape)."""
+    it follows what the warm-up committed (costs known from an earlier request of the shape; a
+    greedy one, so the sampled request has no workload prior and warms up)."""
     planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
-    run(planner, [Request("a")], {"steps": 30, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    run(planner, [Request("a", greedy=True)], {"steps": 30, SPECULATE: 1, PLAIN: 1,
+                                               "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
     assert planner.costs.get(1, 100).plain.value is not None and planner.costs.get(1, 100).spec.value is not None
     b = Request("b")
     steps = [b.step()]
@@ -121,6 +125,26 @@ def test_the_step_after_a_warm_up_is_decided_from_it(clock, committed, second):
     planner.record(steps, [committed], SPECULATE)
     clock.now += 3.0
     assert planner.begin([b.step()]) == second
+
+
+def test_a_new_request_starts_from_its_workloads_prior(clock):
+    """Where an earlier sampled request's drafts did not pay, the next sampled request starts with
+    plain steps (no warm-up) and probes no sooner than the workload's grown interval; a greedy
+    request, of another workload, still warms up; where drafts paid, the next request speculates
+    from its first step."""
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    losing = {"steps": 200, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}
+    first = run(planner, [Request("a")], losing, clock)
+    later = run(planner, [Request("b")], {**losing, "steps": 40}, clock)
+    assert first[0] == SPECULATE and later[0] == PLAIN
+    assert first[:40].count(SPECULATE) > later.count(SPECULATE)
+    assert later.count(SPECULATE) == 0  # the workload's interval (grown by a's probes) is longer than 40 steps
+    assert run(planner, [Request("c", greedy=True)], {**losing, "steps": 1}, clock) == [SPECULATE]
+
+    paying = {"steps": 30, SPECULATE: 5, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}
+    fresh = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    run(fresh, [Request("d")], paying, clock)
+    assert run(fresh, [Request("e")], {**paying, "steps": 5}, clock) == [SPECULATE] * 5
 
 
 def test_bad_overrides_are_refused_before_the_scheduler():
