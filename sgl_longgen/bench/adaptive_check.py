@@ -23,9 +23,11 @@ go in the JSON beside the times. ``--timeline``: one more sampled and one more g
 request at the first context with the step timing on (``longgen_timing = "host"``): per step, the
 token it started at, its kind and its sections (``timeline`` in the JSON), to see where a whole
 request's time beyond the steady rate goes. ``--profile DIR``: per engine, SGLang's torch profiler
-over ``--profile-steps`` decode steps of one more sampled request at the first context, folded
-into per-kernel totals per CUDA-graph launch (:mod:`.kernel_trace`; ``profile`` in the JSON,
-``DIR/<engine>.md``), to compare a plain step of each method with plain decoding kernel by kernel.
+over ``--profile-steps`` decode steps of one more sampled request at the first context (or
+``--profile-context``), folded into per-kernel totals per CUDA-graph launch (:mod:`.kernel_trace`;
+``profile`` in the JSON, ``DIR/<engine>.md``), to compare a plain step of each method with plain
+decoding kernel by kernel; for a method, also of a greedy request with speculation on (its verify
+steps: ``profile_verify``, ``DIR/<engine>-verify.md``).
 
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms TOKENSWIFT
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms OWL HOWL --skip-plain
@@ -161,15 +163,16 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
     return result
 
 
-def profile(eng, name: str, prompt: list[int], args) -> list[dict]:
-    """Per-kernel totals of ``--profile-steps`` decode steps of a sampled request (see
-    :mod:`.kernel_trace`; SGLang writes the prefill's trace too, summarized beside)."""
+def profile(eng, name: str, prompt: list[int], args, params: dict | None = None) -> list[dict]:
+    """Per-kernel totals of ``--profile-steps`` decode steps of one request (see
+    :mod:`.kernel_trace`; SGLang writes the prefill's trace too, summarized beside): a sampled one
+    by default (a speculative engine's plain steps where drafts do not pay), or ``params``."""
     out_dir = args.profile / name
     out_dir.mkdir(parents=True, exist_ok=True)
     eng.start_profile(output_dir=str(out_dir), num_steps=args.profile_steps, activities=["CPU", "GPU"],
                       profile_by_stage=True, profile_prefix=name, with_stack=False, record_shapes=False)
-    eng.generate(input_ids=prompt, sampling_params={"temperature": 1.0, "ignore_eos": True,
-                                                    "max_new_tokens": 2 * args.tokens + 1})
+    params = params or {"temperature": 1.0, "ignore_eos": True}
+    eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 2 * args.tokens + 1})
     try:
         eng.stop_profile()
     except Exception:  # noqa: BLE001 - stopped by itself after num_steps
@@ -179,6 +182,10 @@ def profile(eng, name: str, prompt: list[int], args) -> list[dict]:
     for s in summaries:
         s["kernels"], s["runtime_calls"] = s["kernels"][:40], s["runtime_calls"][:12]
     return summaries
+
+
+# A speculative engine's verify steps: greedy with speculation forced on every step.
+VERIFY_PARAMS = {"temperature": 0.0, "ignore_eos": True, "custom_params": {"longgen_speculation": "on"}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
     p.add_argument("--profile", type=Path, help="profile each engine's decode steps into this directory")
     p.add_argument("--profile-steps", type=int, default=48, help="decode steps (scheduler steps) profiled")
+    p.add_argument("--profile-context", type=int, default=None,
+                   help="the --contexts length whose prompt the profiled requests take (default: the first)")
     args = p.parse_args(argv)
+    if args.profile_context is not None and args.profile_context not in args.contexts:
+        p.error(f"--profile-context {args.profile_context} is not one of --contexts {args.contexts}")
 
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
     root = Path(tempfile.mkdtemp(prefix="longgen_adaptive_"))
@@ -227,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}
             if args.profile is not None:
+                at = prompts[args.profile_context or args.contexts[0]]
                 try:
-                    report[name]["profile"] = profile(eng, name, prompts[args.contexts[0]], args)
+                    report[name]["profile"] = profile(eng, name, at, args)
+                    if algorithm is not None:
+                        report[name]["profile_verify"] = profile(eng, f"{name}-verify", at, args, VERIFY_PARAMS)
                 except Exception as exc:  # noqa: BLE001 - the measurements above stand without it
                     report[name]["profile_error"] = f"{type(exc).__name__}: {exc}"
         finally:

@@ -300,15 +300,14 @@ class AdaptiveController:
             self._seed(prior)
 
     def _seed(self, prior: WorkloadPrior) -> None:
-        """Start from the workload's evidence: its acceptance as one step's worth, its hints'
-        calibration as it stands, its probe interval; the warm-up is what a prior replaces."""
+        """Start from the workload's evidence: its acceptance as one step's worth and its probe
+        interval (the hints' calibration is read from it live, :meth:`hint_scale`); the warm-up is
+        what a prior replaces."""
         self.committed.add(prior.committed.value)
         for width, mean in self.at_width.items():
             seen = prior.at_width.get(width)
             if seen is not None and seen.value is not None:
                 mean.add(seen.value)
-        for mine, theirs in ((self.hint_accepted, prior.hint_accepted), (self.hint_given, prior.hint_given)):
-            mine.total, mine.weight = theirs.total, theirs.weight
         if prior.interval is not None:
             self.interval = prior.interval
         self.warmup = 0
@@ -345,8 +344,15 @@ class AdaptiveController:
 
     def hint_scale(self) -> float:
         """Draft tokens accepted per hinted token over the past steps that had a hint, with one
-        token of prior on both sides (1: none yet)."""
-        return (self.hint_accepted.total + HINT_PRIOR) / (self.hint_given.total + HINT_PRIOR)
+        token of prior on both sides (1: none yet). With a workload prior its hinted steps count
+        too: they decay per speculative step only, so what the workload's hints delivered is not
+        forgotten over a request's plain stretch (where this request's own evidence fades within
+        tens of steps and a score that keeps failing would be believed again)."""
+        accepted, given = self.hint_accepted.total, self.hint_given.total
+        if self.prior is not None:
+            accepted += self.prior.hint_accepted.total
+            given += self.prior.hint_given.total
+        return (accepted + HINT_PRIOR) / (given + HINT_PRIOR)
 
     def expected_from_hint(self, hint: float | None) -> float | None:
         """Tokens a speculative step is expected to commit by the method's ``hint`` (None: no hint)."""
@@ -368,26 +374,23 @@ class AdaptiveController:
         return None if mean is None else mean.value
 
     def worth(self, costs: StepCosts | None = None) -> bool:
-        """Speculating is expected to give at least as many tokens per second as plain steps
-        (True while either side has no data: optimistic). With widths: at some width, a width
-        whose cost is not measured yet counting as paying (it is tried, then priced)."""
+        """Speculating is expected to give at least as many tokens per second as plain steps.
+        Optimistic while the acceptance or the plain cost is unknown; while only the speculative
+        step's cost is unknown, it pays iff it is expected to commit more than one token (it
+        costs more than a plain step, which commits one, so one token never pays for it). With
+        widths: at some width, a width whose cost is not measured yet counting as paying where its
+        acceptance exceeds one token (it is tried, then priced)."""
         costs = costs or self.costs
         if self.widths:
             return self._worth_at_some_width(costs)
-        mean, spec, plain = self.committed.value, costs.spec.value, costs.plain.value
-        if mean is None or spec is None or plain is None:
-            return True
-        return mean * plain >= spec  # mean / spec >= 1 / plain, without dividing by a zero cost
+        return _pays(self.committed.value, costs.spec.value, costs.plain.value)
 
     def _worth_at_some_width(self, costs: StepCosts) -> bool:
         plain = costs.plain.value
-        if self.at_width[None].value is None or costs.spec.value is None or plain is None:
+        if self.at_width[None].value is None or plain is None:
             return True
-        for width, mean in self.at_width.items():
-            e, cost = mean.value, costs.cost(width)
-            if e is not None and (cost is None or e * plain >= cost):
-                return True
-        return False
+        return any(_pays(mean.value, costs.cost(width), plain) for width, mean in self.at_width.items()
+                   if mean.value is not None)
 
     def best_width(self, costs: StepCosts | None = None) -> int | None:
         """The width with the most expected tokens per second among those measured (None: the full
@@ -443,12 +446,13 @@ class AdaptiveController:
         return value
 
     def hint_pays(self, hint: float | None, costs: StepCosts | None = None) -> bool:
-        """The method's ``hint`` alone makes a speculative step (over the full draft) pay."""
+        """The method's ``hint`` alone makes a speculative step (over the full draft) pay (by the
+        rule of :meth:`worth`, with the plain cost known)."""
         costs = costs or self.costs
-        e, spec, plain = self.expected_from_hint(hint), costs.spec.value, costs.plain.value
+        e, plain = self.expected_from_hint(hint), costs.plain.value
         if e is None or plain is None:
             return False
-        return spec is None or e * plain >= spec
+        return _pays(e, costs.spec.value, plain)
 
     def decide(self, costs: StepCosts | None = None, hint: float | None = None) -> str:
         """``"speculate"`` or ``"plain"`` for the next step (call once per step; ``costs``: the
@@ -592,6 +596,16 @@ class AdaptiveController:
         self.since_hint += 1
         self.since_plain = 0
         self._probing = self._hinted = False
+
+
+def _pays(expected: float | None, spec: float | None, plain: float | None) -> bool:
+    """``expected`` tokens per speculative step of cost ``spec`` give at least a plain step's one
+    token per ``plain`` (see :meth:`AdaptiveController.worth` for the unknowns)."""
+    if expected is None or plain is None:
+        return True
+    if spec is None:
+        return expected > 1.0
+    return expected * plain >= spec  # expected / spec >= 1 / plain, without dividing by a zero cost
 
 
 def decide_batch(controllers: list[AdaptiveController], costs: StepCosts,

@@ -102,6 +102,8 @@ GPU_SYMBOLS: tuple[Need, ...] = (
     Need("sglang.srt.runtime_context.get_parallel", "attention heads per TP rank"),
     Need("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
          "adaptive speculation: the target's width-1 graphs for plain steps"),
+    Need("sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend",
+         "the longgen backend's prefills through FA3 on Hopper, as SGLang's default backend there"),
 )
 
 # Private members of FlashInfer's decode wrapper the longgen backend and the draft graphs read,

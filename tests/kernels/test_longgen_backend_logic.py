@@ -253,3 +253,31 @@ def test_a_bad_cascade_threshold_is_refused_naming_the_variable(monkeypatch):
     assert hybrid._cascade_min_shared() == 2048
     monkeypatch.delenv("SGLANG_LONGGEN_CASCADE_MIN_SHARED")
     assert hybrid._cascade_min_shared() == 0  # opt-in
+
+
+def test_prefills_stay_with_flashinfer_off_hopper_and_a_bad_choice_is_named(monkeypatch):
+    """FA3 serves the backend's plain prefills only where it serves the model (a Hopper GPU): on
+    this machine the choice is FlashInfer's, and a bad SGLANG_LONGGEN_PREFILL_BACKEND is refused
+    with its name before any engine state is built."""
+    from sgl_longgen.sglang.backends.hybrid import fa3_prefill_backend
+
+    runner = SimpleNamespace(model_config=SimpleNamespace(head_dim=128), dtype=torch.bfloat16, device="cpu",
+                             page_size=1)
+    assert fa3_prefill_backend(runner, None) is None
+    monkeypatch.setenv("SGLANG_LONGGEN_PREFILL_BACKEND", "fa4")
+    with pytest.raises(ValueError, match="SGLANG_LONGGEN_PREFILL_BACKEND"):
+        fa3_prefill_backend(runner, None)
+
+
+def test_only_a_plain_prefill_goes_to_the_prefill_backend():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sgl_longgen.sglang.backends.hybrid import _plain_prefill
+
+    def batch(mode, spec_info=None):
+        return SimpleNamespace(forward_mode=mode, spec_info=spec_info)
+
+    assert _plain_prefill(batch(ForwardMode.EXTEND))
+    assert not _plain_prefill(batch(ForwardMode.EXTEND, spec_info=object()))
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DECODE, ForwardMode.MIXED):
+        assert not _plain_prefill(batch(mode))

@@ -115,7 +115,8 @@ def test_the_step_after_a_warm_up_is_decided_from_it(clock, committed, second):
     it follows what the warm-up committed (costs known from an earlier request of the shape; a
     greedy one, so the sampled request has no workload prior and warms up)."""
     planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
-    run(planner, [Request("a", greedy=True)], {"steps": 30, SPECULATE: 1, PLAIN: 1,
+    # Two tokens a step: speculated (and priced) until they lose to plain steps at 3x the cost.
+    run(planner, [Request("a", greedy=True)], {"steps": 30, SPECULATE: 2, PLAIN: 1,
                                                "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
     assert planner.costs.get(1, 100).plain.value is not None and planner.costs.get(1, 100).spec.value is not None
     b = Request("b")
@@ -145,6 +146,19 @@ def test_a_new_request_starts_from_its_workloads_prior(clock):
     fresh = AdaptiveSteps(AdaptiveConfig(enabled=True))
     run(fresh, [Request("d")], paying, clock)
     assert run(fresh, [Request("e")], {**paying, "steps": 5}, clock) == [SPECULATE] * 5
+
+
+def test_a_new_batch_shape_is_not_priced_by_blind_speculation_where_drafts_commit_one_token(clock):
+    """A batch of four new sampled requests, a shape never run: its plain cost is measured by a
+    plain step, and its speculative cost stays unknown, since drafts that commit one token cannot
+    pay whatever it is (a speculative step costs more than a plain one): no speculative step in
+    the batch's first steps, where it used to speculate to price the shape."""
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    run(planner, [Request("a")], {"steps": 100, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    batch = [Request(r) for r in "bcde"]
+    kinds = run(planner, batch, {"steps": 20, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    assert kinds == [PLAIN] * 20
+    assert planner.costs.get(4, 100).plain.value is not None and planner.costs.get(4, 100).spec.value is None
 
 
 def test_bad_overrides_are_refused_before_the_scheduler():

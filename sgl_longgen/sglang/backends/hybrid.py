@@ -2,10 +2,13 @@
 
 SGLang's FlashInfer backend verifies a draft tree with one masked prefill over prefix + tree,
 which re-reads the long prefix for every query tile: 3.9x an AR decode step for a 64-token tree
-at 98K context on an H100. This backend is SGLang 0.5.17's ``FlashInferAttnBackend`` with one
-change: TARGET_VERIFY batches go through :class:`~sgl_longgen.kernels.hybrid.HybridTreeAttention`
-(prefix read once, tree mask on the tree block only, exact LSE merge). Prefill, decode, draft
-decodes with custom ``kv_indices`` and every other mode are the parent's, unchanged.
+at 98K context on an H100. This backend is SGLang 0.5.17's ``FlashInferAttnBackend`` with two
+changes: TARGET_VERIFY batches go through :class:`~sgl_longgen.kernels.hybrid.HybridTreeAttention`
+(prefix read once, tree mask on the tree block only, exact LSE merge), and on Hopper a plain
+prefill (``EXTEND`` without speculative input) goes through SGLang's own FA3 backend, the one its
+plain servers use there (a speculative server's time to first token is then a plain server's:
+FlashInfer's paged prefill over 98K tokens took 8.8 s on an H100 where FA3's took 6.4).
+Decode, draft decodes with custom ``kv_indices`` and every other mode are the parent's, unchanged.
 
 The hybrid path relies on what every SGLang tree verifier provides: each request has ``N`` draft
 tokens whose K/V are written at ``out_cache_loc`` (passed to the layer as ``k``/``v``), every
@@ -41,6 +44,8 @@ draft graph's persistent per-layer buffer), so each layer reads exactly its own 
 
 Environment:
     SGLANG_LONGGEN_PREFIX_BACKEND=auto|triton|flashinfer_fold   prefix path (default auto)
+    SGLANG_LONGGEN_PREFILL_BACKEND=auto|flashinfer   prefills through FA3 where it serves the model
+        (auto, the default) or through FlashInfer's prefill
     SGLANG_LONGGEN_CASCADE_MIN_SHARED=N   shared prefix (tokens) from which an eager verify of
         several requests cascades (default 0: never)
     SGLANG_LONGGEN_VERIFY_CHECK=1   eager only: also run FlashInfer's masked verify on every layer
@@ -146,10 +151,48 @@ def hybrid_unsupported_reason(model_runner, backend: FlashInferAttnBackend) -> O
     return None
 
 
+PREFILL_BACKENDS = ("auto", "flashinfer")
+
+
+class Fa3Prefill:
+    """Marks ``forward_metadata`` of a prefill planned by the FA3 backend (its own metadata)."""
+
+
+def fa3_prefill_backend(model_runner, disabled: Optional[str]):
+    """SGLang's FA3 backend for this runner's prefills, where it serves them (None: FlashInfer's).
+
+    Where SGLang itself would pick FA3 (a Hopper GPU, 16-bit KV of the model's dtype, a head size
+    FA3 was built for) and the hybrid path serves the model (``disabled`` None: the models FA3's
+    prefill would need special handling for, sliding windows, soft-capping, encoder-decoder, are
+    the ones the hybrid path refuses too). ``SGLANG_LONGGEN_PREFILL_BACKEND=flashinfer`` keeps
+    FlashInfer's prefill.
+    """
+    choice = env.get("PREFILL_BACKEND", "auto")
+    if choice not in PREFILL_BACKENDS:
+        raise ValueError(f"{env.name('PREFILL_BACKEND')} must be one of {', '.join(PREFILL_BACKENDS)}, got {choice!r}")
+    cfg = model_runner.model_config
+    if choice != "auto" or disabled is not None or model_runner.page_size != 1:
+        return None
+    if not fa3_supported(cfg.head_dim, model_runner.dtype, model_runner.dtype, torch.device(model_runner.device)):
+        return None
+    from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
+
+    return FlashAttentionBackend(model_runner)
+
+
+def _plain_prefill(forward_batch) -> bool:
+    """A prefill chunk of prompts alone (no draft or verify input, no decode mixed in)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return forward_batch.forward_mode == ForwardMode.EXTEND and forward_batch.spec_info is None
+
+
 class LongGenAttnBackend(FlashInferAttnBackend):
-    """``FlashInferAttnBackend`` whose TARGET_VERIFY attention is the hybrid tree attention."""
+    """``FlashInferAttnBackend`` whose TARGET_VERIFY attention is the hybrid tree attention (and
+    whose plain prefills are FA3's on Hopper)."""
 
     verify_scores: Optional[VerifyScores] = None  # where verifies write selection scores (if asked)
+    _prefill = None  # SGLang's FA3 backend serving plain prefills (None: FlashInfer's prefill)
 
     def __init__(self, model_runner, **kwargs):
         super().__init__(model_runner, **kwargs)
@@ -175,6 +218,7 @@ class LongGenAttnBackend(FlashInferAttnBackend):
         self._graph_page_table: Optional[torch.Tensor] = None  # FA3 prefix path
         self._graph_seq_lens: Optional[torch.Tensor] = None
         self._max_context = model_runner.model_config.context_len
+        self._prefill = None if self.skip_prefill else fa3_prefill_backend(model_runner, self._disabled)
         self.verify_scores = VerifyScores.of(model_runner)
         if self.verify_scores is not None and self._disabled:  # only the hybrid path scores
             raise ValueError(f"TOKENSWIFT's [tokenswift.partial_kv] policy = \"verify\" takes the partial KV from the "
@@ -212,6 +256,10 @@ class LongGenAttnBackend(FlashInferAttnBackend):
 
     # ------------------------------------------------------ eager metadata
     def init_forward_metadata(self, forward_batch):
+        if self._prefill is not None and _plain_prefill(forward_batch):
+            self._prefill.init_forward_metadata(forward_batch)
+            self.forward_metadata = Fa3Prefill
+            return None
         if not self._serves(forward_batch):
             return super().init_forward_metadata(forward_batch)
         reference = None
@@ -358,6 +406,8 @@ class LongGenAttnBackend(FlashInferAttnBackend):
     # ------------------------------------------------------------- forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         metadata = self.forward_metadata
+        if metadata is Fa3Prefill:
+            return self._prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if not isinstance(metadata, HybridVerifyMetadata) or not forward_batch.forward_mode.is_target_verify():
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if layer.logit_cap and layer.logit_cap > 0:
