@@ -293,7 +293,8 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     target, ``batch`` requests at each context length: a steady step (the ring already holds the
     window; the last committed token and the root are fed), its cross-attention reading the
     context's K/V from a paged pool through the Triton prefix kernel, eagerly and replayed as the
-    worker's CUDA graph (``beam_graph_ms``: the ring feed eager, the beam one replay), and through
+    worker's CUDA graph (``beam_graph_ms``: the step's input packed on the host and copied over,
+    then one replay of the ring feed and the beam), and through
     the gather + SDPA twin. Random weights: the tree's shape, not its tokens, sets the cost.
     ``draft_vocab`` N (0 < N < vocabulary): the same block again with a reduced draft vocabulary,
     its head the target's rows at a random map of N tokens (the cost does not depend on which),
@@ -305,7 +306,6 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     from ..core.longspec import (
         DEFAULT_WIDTHS,
         LongSpecDrafter,
-        WindowCache,
         draft_head,
         rope_tables,
     )
@@ -345,8 +345,7 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         tokens = torch.randint(0, vocab, (L + 1,), generator=gen).tolist()
         row: dict = {}
         for prefix, (drafter, head) in variants.items():
-            rings = [WindowCache(kv_heads, window, head_dim, dt, dev) for _ in range(batch)]
-            _time_beams(row, prefix, drafter, embed, head, rope, rings, rows, tokens, L, batch, window,
+            _time_beams(row, prefix, drafter, embed, head, rope, rows, tokens, L, batch, window,
                         (k_buffer, v_buffer), max(contexts), dev,
                         None if profile_dir is None else profile_dir / f"longspec-{prefix or 'full_'}{L}")
         out[str(L)] = row
@@ -354,53 +353,68 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     return out
 
 
-def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rings, rows, tokens: list[int], L: int,
+def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens: list[int], L: int,
                 batch: int, window: int, buffers, max_context: int, dev, profile_to: Path | None = None) -> None:
-    """One drafter's (and head's) figures at one context into ``row``, keys prefixed ``prefix``."""
+    """One drafter's (and head's) figures at one context into ``row``, keys prefixed ``prefix``.
+
+    The drafter as the worker runs it: projections fused, the batch's rings rows of one pool,
+    each step's input packed on the host and copied over once (``beam_graph_ms``: that, and one
+    replay of the step: the steady two-token feed and the beam)."""
     import torch
 
-    from ..core.longspec import expand_batch, expand_rings, feed_rings
+    from ..core.longspec import (
+        DEFAULT_FEED,
+        DEFAULT_WIDTHS,
+        BeamPlan,
+        RingPool,
+        expand_batch,
+        expand_rings,
+        fuse_projections,
+    )
     from ..sglang.longspec import (
         GraphedBeam,
         committed_attention,
         kernel_attention,
         slot_lists,
+        to_device,
     )
     from .kernels import time_us
 
     k_buffer, v_buffer = buffers
+    fuse_projections(drafter)
+    pool = RingPool(drafter.num_kv_heads, window, drafter.head_dim, k_buffer.dtype, dev, capacity=batch)
+    rings = [pool.take() for _ in range(batch)]
+    plan = BeamPlan.for_drafter(drafter, DEFAULT_WIDTHS, 63, DEFAULT_FEED, k_buffer.dtype, dev)
+    steady = ([tokens[-2:]] * batch, [L - 1] * batch)  # the last committed token and the root
     with torch.no_grad():
         # The first step of a request feeds the window; the timed ones, two tokens each.
         first = tokens[-min(window, L + 1):]
-        expand_batch(drafter, embed, head, rope, rings,
+        expand_batch(drafter, embed, head, rope, pool, rings,
                      committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, False),
-                     [first] * batch, [L + 1 - len(first)] * batch)
+                     [first] * batch, [L + 1 - len(first)] * batch, plan=plan)
         for name, kernel in (("triton", True), ("torch", False)):
             def step(kernel=kernel):
                 attend = committed_attention(k_buffer, v_buffer, rows, drafter.cross_attn.scale, kernel)
-                return expand_batch(drafter, embed, head, rope, rings, attend, [tokens[-2:]] * batch,
-                                    [L - 1] * batch)
+                return expand_batch(drafter, embed, head, rope, pool, rings, attend, *steady, plan=plan)
             try:
                 step()
                 row[f"{prefix}beam_{name}_ms"] = round(time_us(step) / 1e3, 3)
             except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
                 row[f"{prefix}beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         if dev.type == "cuda":  # the Triton kernel and the graph need a GPU
-            graph_slots = slot_lists(rows, dev, capacity=batch * max_context)
+            kv_indptr, kv_indices = slot_lists(rows, dev, capacity=batch * max_context)
 
-            def body(roots, lengths, ring_k, ring_v, ring_pos, kv_indptr, kv_indices):
-                attend = kernel_attention(k_buffer, v_buffer, kv_indptr, kv_indices, drafter.cross_attn.scale)
-                beam, broken = expand_rings(drafter, embed, head, rope, roots, lengths, ring_k, ring_v, ring_pos,
-                                            attend)
+            def body(packed, indptr):
+                attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
+                beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed, attend,
+                                            plan)
                 return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
             graphed = GraphedBeam(body)
 
             def graph_step():
-                roots, lengths = feed_rings(drafter, embed, rope, rings, [tokens[-2:]] * batch, [L - 1] * batch)
-                stacked = (torch.stack([r.k for r in rings]), torch.stack([r.v for r in rings]),
-                           torch.stack([r.pos for r in rings]))
-                return graphed(roots, lengths, *stacked, *graph_slots)
+                _, packed = plan.pack(*steady, rings, pool.scratch)
+                return graphed(to_device(packed, dev), kv_indptr)
 
             try:
                 graph_step()

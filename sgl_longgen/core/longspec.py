@@ -54,6 +54,7 @@ full-vocabulary drafter, files and behaviour as before.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -653,12 +654,11 @@ def expand(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tenso
         done_v = fv if done_v is None else torch.cat([done_v, fv], dim=1)
         done = torch.cat([done, front])
         logp = torch.log_softmax(head(h).to(score.dtype), dim=-1)  # [n, V]
-        cand = (torch.cat(pool_s)[front][:, None] + logp).reshape(-1)
-        w = min(widths[level - 1], cand.shape[0])
-        score, flat = cand.topk(w)
-        parent = front[flat // V]
+        w = min(widths[level - 1], n * V)
+        score, pick, row = best_children(torch.cat(pool_s)[front], logp, w)
+        parent = front[row]
         pool_s.append(score)
-        pool_t.append(drafter.to_target(flat % V))
+        pool_t.append(drafter.to_target(pick))
         pool_p.append(parent)
         pool_d.append(torch.full((w,), level, dtype=torch.long, device=dev))
         grown = torch.zeros(size + w, size + w, dtype=torch.bool, device=dev)
@@ -671,10 +671,36 @@ def expand(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tenso
     return select_nodes(torch.cat(pool_s), torch.cat(pool_t), torch.cat(pool_p), torch.cat(pool_d), tree_size)
 
 
+def best_children(parent_scores: torch.Tensor, logp: torch.Tensor, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``width`` best (parent, token) pairs of a level: ``parent_scores`` ``[..., n]`` (the
+    frontier's cumulative log-probabilities), ``logp`` ``[..., n, V]`` (its rows' next-token
+    log-probabilities). Returns their scores, draft ids and parent rows (``[..., width]``).
+
+    Each row's top ``min(width, V)`` first, then the best of those ``n * min(width, V)``: a pair in
+    the global top ``width`` is in its own row's top ``width`` (its row holds fewer better
+    tokens than the whole level does), so this is the top ``width`` over all ``n * V`` children
+    while the second top-k reads ``n * width`` candidates, not ``n * V``. The scores are the same
+    sums (``parent + logp``), bit for bit. Only ties at the cut may be broken otherwise than one
+    top-k over the flattened level would (both are best-``width`` sets; which one is drafted never
+    changes what is committed); ``torch.topk`` breaks them the same way on every call.
+    """
+    k = min(width, logp.shape[-1])
+    top, ids = logp.topk(k, dim=-1)
+    cand = (parent_scores.unsqueeze(-1) + top).flatten(-2)
+    score, flat = cand.topk(width, dim=-1)
+    return score, ids.flatten(-2).gather(-1, flat), torch.div(flat, k, rounding_mode="floor")
+
+
 # positions [...] -> (cos, sin) [..., head_dim]: the target's RoPE at those positions
 Rope = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# q [B, H, T, D] (RoPE applied) -> [B, H, T, D]: each request's queries over its committed target K/V
+# q [B, T, H, D] (RoPE applied) -> [B, T, H, D]: each request's queries over its committed target K/V
 Attend = Callable[[torch.Tensor], torch.Tensor]
+
+# Tokens per request the fixed-shape step feeds its ring (the root and what the last verify
+# committed: at most the tree depth plus one); a longer feed (a request's first draft) first
+# goes through :func:`feed_rings`.
+DEFAULT_FEED = 8
 
 
 def _window_visible(ring_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -683,131 +709,418 @@ def _window_visible(ring_pos: torch.Tensor, query_pos: torch.Tensor, window: int
     return (p >= 0) & (p <= q) & (p > q - window)
 
 
+class RingPool:
+    """The window rings of an engine's drafting requests: one row of a shared tensor each.
+
+    A request takes a row at its first draft and gives it back when it leaves, so its memory is
+    still one ring of ``window`` tokens (position p in slot p % window), whatever its context.
+    One tensor for every ring lets the step write the feed and read the batch's rings at fixed
+    addresses (inside a CUDA graph, through row indices the host passes in) instead of stacking
+    per-request rings and copying them into a graph's inputs each step. The last row is scratch:
+    a feed's padding entries are written there, and no request reads it. A full pool doubles;
+    ``version`` then changes, and a graph that captured the old tensors must be captured again.
+    """
+
+    def __init__(self, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 8):
+        if capacity < 1:
+            raise ValueError("a ring pool holds at least one ring")
+        self.window = window
+        self.version = 0
+        self.k = torch.zeros(capacity + 1, kv_heads, window, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((capacity + 1, window), -1, dtype=torch.long, device=device)  # -1: empty slot
+        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest row first
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0] - 1
+
+    @property
+    def scratch(self) -> int:
+        """The row padding entries write to (never a request's)."""
+        return self.capacity
+
+    @property
+    def ring_nbytes(self) -> int:
+        """One request's share: its K/V ring and the ring's positions."""
+        return 2 * self.k[0].numel() * self.k.element_size() + self.pos[0].numel() * self.pos.element_size()
+
+    def take(self) -> int:
+        """An empty ring for a new request (the pool grows when none is free)."""
+        if not self.free:
+            self._grow()
+        row = self.free.pop()
+        self.pos[row].fill_(-1)
+        return row
+
+    def give(self, row: int) -> None:
+        self.free.append(row)
+
+    def clear(self) -> None:
+        """Every ring free and empty (the engine dropped all its requests)."""
+        self.pos.fill_(-1)
+        self.free = list(range(self.capacity - 1, -1, -1))
+
+    def held(self, row: int) -> int:
+        """Positions ring ``row`` holds (a host read)."""
+        return int((self.pos[row] >= 0).sum())
+
+    def _grow(self) -> None:
+        old = self.capacity
+        k = self.k.new_zeros(2 * old + 1, *self.k.shape[1:])
+        v = torch.zeros_like(k)
+        pos = self.pos.new_full((2 * old + 1, self.window), -1)
+        k[:old], v[:old], pos[:old] = self.k[:old], self.v[:old], self.pos[:old]
+        self.k, self.v, self.pos = k, v, pos
+        self.free.extend(range(2 * old - 1, old - 1, -1))
+        self.version += 1
+
+
+def _feed_row(tokens: Sequence[int], start: int, ring: int, width: int, scratch: int, window: int) -> list[int]:
+    """One request's feed, right-aligned in ``width`` entries: token ids, the ring row and slot
+    each K/V goes to, the position the slot records, the position its RoPE is taken at. Padding
+    (in front) repeats the last token and position and is written to the scratch ring."""
+    n, pad = len(tokens), width - len(tokens)
+    positions = list(range(start, start + n))
+    last_token, last_pos = (tokens[-1], positions[-1]) if n else (0, 0)
+    return ([last_token] * pad + list(tokens) + [scratch] * pad + [ring] * n
+            + [0] * pad + [p % window for p in positions] + [-1] * pad + positions + [last_pos] * pad + positions)
+
+
+class BeamPlan:
+    """What a batch's beam needs that follows from its widths, the draft vocabulary, the window,
+    the feed width and the drafter's shapes alone: built once on the beam's device and read by
+    every step (a CUDA graph captures it at fixed addresses) instead of rebuilt per level. The
+    batch size enters by broadcasting only, so one plan serves every batch size.
+
+    ``widths``: the levels' widths clamped to what the vocabulary allows (``w1 <= V``,
+    ``wi <= w(i-1) * V``). Pool order: level 1's nodes, then level 2's, ...; ``offsets[i]``: the
+    first node of level i + 1. Only levels 1 .. D-1 are forwarded (their rows draft the next
+    level), so the tree's own K/V columns and the ancestor matrix cover those ``forwarded`` nodes.
+
+    The step's input is one int64 row per request (:meth:`pack`, one host-to-device copy): its
+    feed (``feed`` entries of token, ring row, slot, recorded position, RoPE position), the RoPE
+    positions of the tree levels, and its ring row.
+    """
+
+    def __init__(self, widths: Sequence[int], tree_size: int, vocab: int, window: int, feed: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device):
+        if not widths or min(widths) < 1:
+            raise ValueError(f"beam widths must be positive, got {list(widths)}")
+        w = [min(widths[0], vocab)]
+        for x in widths[1:]:
+            w.append(min(x, w[-1] * vocab))
+        self.widths, self.depth = tuple(w), len(w)
+        self.tree_size, self.vocab, self.window = tree_size, vocab, window
+        self.feed = max(1, min(feed, window))  # two positions of one ring slot never share a feed
+        self.offsets = tuple(itertools.accumulate(w, initial=0))
+        self.forwarded = P = self.offsets[-1] - w[-1]
+        self.depths = torch.cat([torch.full((x,), level, dtype=torch.long) for level, x in enumerate(w, 1)]).to(device)
+        self.first_parents = torch.full((w[0],), -1, dtype=torch.long, device=device)
+        # ancestors (or self) of each forwarded node among the forwarded nodes: level 1's rows are
+        # theirs alone; a later level's rows are their parents' plus their own column
+        anc = torch.zeros(P, P, dtype=torch.bool)
+        if P:
+            anc[: w[0], : w[0]] = torch.eye(w[0], dtype=torch.bool)
+        self.ancestors0 = anc.to(device)
+        self.own = {level: torch.eye(P, dtype=torch.bool)[self.offsets[level - 1] : self.offsets[level]].to(device)
+                    for level in range(2, self.depth)}
+        # tree nodes within the window of level l's queries (all of them unless the window is
+        # shallower than the tree): None where nothing is out of reach
+        depth = self.depths[:P].cpu()
+        near = {level: (level - 1 - depth) < window for level in range(2, self.depth + 1)}
+        self.near = {level: None if bool(m.all()) else m.to(device) for level, m in near.items()}
+        self.tree_pad = torch.zeros(1, kv_heads, P, head_dim, dtype=dtype, device=device)
+        half = head_dim // 2
+        sign = torch.cat([-torch.ones(half, dtype=torch.float64), torch.ones(head_dim - half, dtype=torch.float64)])
+        self.sign = {t: sign.to(device=device, dtype=t)
+                     for t in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+
+    @classmethod
+    def for_drafter(cls, drafter: LongSpecDrafter, widths: Sequence[int], tree_size: int, feed: int,
+                    dtype: torch.dtype, device) -> BeamPlan:
+        return cls(widths, tree_size, drafter.draft_vocab_size, drafter.window, feed, drafter.num_kv_heads,
+                   drafter.head_dim, dtype, device)
+
+    @property
+    def columns(self) -> int:
+        """Int64 entries of one request's :meth:`pack` row."""
+        return 5 * self.feed + self.depth
+
+    def pack(self, pending: Sequence[Sequence[int]], starts: Sequence[int], rings: Sequence[int], scratch: int
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Host lists -> ``(pre, step)`` CPU int64 tensors: ``step`` ``[B, columns]`` the step's
+        input (the last ``feed`` tokens of each request's feed, the root last); ``pre``
+        ``[B, 5 * F']`` the earlier tokens of feeds longer than that (a request's first draft),
+        for :func:`feed_rings`, or None. Only a feed's last ``window`` tokens can matter."""
+        if not rings or len(rings) != len(pending) or len(pending) != len(starts):
+            raise ValueError("one ring, one pending list and one start per request")
+        if any(not p for p in pending):
+            raise ValueError("the drafter needs at least the root token")
+        W, Fw = self.window, self.feed
+        feeds = [list(p)[-W:] for p in pending]
+        firsts = [s + len(p) - len(f) for s, p, f in zip(starts, pending, feeds)]
+        heads = [f[:-Fw] for f in feeds]
+        pre = None
+        width = max(len(h) for h in heads)
+        if width:
+            pre = torch.tensor([_feed_row(h, s, r, width, scratch, W) for h, s, r in zip(heads, firsts, rings)],
+                               dtype=torch.long)
+        rows = []
+        for f, s, h, r in zip(feeds, firsts, heads, rings):
+            last = s + len(f) - 1  # L: the root's position, the request's committed length
+            rows.append(_feed_row(f[len(h):], s + len(h), r, Fw, scratch, W)
+                        + [last + i for i in range(1, self.depth)] + [r])
+        return pre, torch.tensor(rows, dtype=torch.long)
+
+    def ancestors(self, batch: int) -> torch.Tensor:
+        """The step's ``[B, P, P]`` ancestor matrix, level 1's rows filled (writable where later
+        levels add rows)."""
+        anc = self.ancestors0.expand(batch, -1, -1)
+        return anc.clone() if self.depth > 2 else anc
+
+    def tree_mask(self, ancestors: torch.Tensor, level: int) -> torch.Tensor:
+        """``[B, n, lo + n]``: which forwarded nodes (those made so far) the frontier of ``level``
+        (level - 1's nodes ``lo .. lo + n``) sees: its ancestors and itself, inside the window."""
+        lo, n = self.offsets[level - 2], self.widths[level - 2]
+        mask = ancestors[:, lo : lo + n, : lo + n]
+        near = self.near[level]
+        return mask if near is None else mask & near[: lo + n]
+
+    def add_ancestors(self, ancestors: torch.Tensor, parents: torch.Tensor, level: int) -> None:
+        """Level ``level``'s rows of the ancestor matrix: each node's parent's row and its own column."""
+        lo, n = self.offsets[level - 1], self.widths[level - 1]
+        rows = ancestors.gather(1, parents[:, :, None].expand(-1, -1, ancestors.shape[2]))
+        ancestors[:, lo : lo + n] = rows | self.own[level]
+
+    def rope_rows(self, rope: Rope, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[..., 1, head_dim]`` (broadcast over heads) in ``dtype`` (see :func:`_rope`)."""
+        cos, sin = rope(positions)
+        return cos.to(dtype).unsqueeze(-2), (sin * self.sign[sin.dtype]).to(dtype).unsqueeze(-2)
+
+
+# -- the step's block, functional: fused projections, fused norms, token-major rows [B, T, ...]
+
+
+def fuse_projections(drafter: LongSpecDrafter) -> None:
+    """Make the self-attention's q/k/v matrices one matrix and the MLP's gate/up one, the block's
+    own weights becoming views of them (no second copy): a beam level then runs one GEMM where
+    the block ran three (two), the small K/V projections no longer a launch and a poorly used
+    GEMM each. Idempotent; a drafter moved or reloaded afterwards simply runs unfused (the
+    step checks that the views are still its weights)."""
+    if _fused(drafter) is not None:
+        return
+    a, m = drafter.self_attn, drafter.mlp
+    with torch.no_grad():
+        groups = ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj))
+        fused = []
+        for layers in groups:
+            whole = torch.cat([lin.weight for lin in layers])
+            start = 0
+            for lin in layers:
+                rows = lin.weight.shape[0]
+                lin.weight = nn.Parameter(whole[start : start + rows], requires_grad=lin.weight.requires_grad)
+                start += rows
+            fused.append((whole, layers))
+    drafter._fused_projections = fused
+
+
+def _fused(drafter: LongSpecDrafter) -> list | None:
+    """The fused matrices, if the block's weights are still views of them."""
+    fused = getattr(drafter, "_fused_projections", None)
+    if fused is None:
+        return None
+    for whole, layers in fused:
+        start = 0
+        for lin in layers:
+            w = lin.weight
+            if w.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr() or \
+                    w.storage_offset() != whole.storage_offset() + start * whole.shape[1]:
+                return None
+            start += w.shape[0]
+    return [whole for whole, _ in fused]
+
+
+def _project(x: torch.Tensor, whole: torch.Tensor | None, layers: Sequence[nn.Linear]) -> torch.Tensor:
+    if whole is not None:
+        return F.linear(x, whole)
+    return torch.cat([F.linear(x, lin.weight) for lin in layers], dim=-1)
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """:class:`RMSNorm` as one fused op on a GPU (statistics in float32; the scale is applied
+    before the cast back rather than after, a rounding apart)."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` for token-major ``x`` ``[..., heads, D]``, with ``sin_signed`` = sin with
+    its first half negated: ``rotate_half(x) * sin`` = (the halves of ``x`` swapped) * ``sin_signed``,
+    bit for bit, one flip where ``rotate_half`` took a negation and a concatenation."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin_signed
+
+
+def _rotated_qkv(drafter: LongSpecDrafter, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The self-attention's queries and keys (RoPE'd together: ``[B, T, H + Hkv, D]``, queries
+    first) and values ``[B, T, Hkv, D]`` of embeddings ``x`` ``[B, T, d]``."""
+    a = drafter.self_attn
+    fused = _fused(drafter)
+    qkv = _project(_norm(drafter.input_layernorm, x), fused and fused[0], (a.q_proj, a.k_proj, a.v_proj))
+    split = (a.heads + a.kv_heads) * a.head_dim
+    qk = qkv[..., :split].unflatten(-1, (a.heads + a.kv_heads, a.head_dim))
+    return _rope(qk, cos, sin_signed), qkv[..., split:].unflatten(-1, (a.kv_heads, a.head_dim))
+
+
+def _self_attend(drafter: LongSpecDrafter, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Rows ``q`` ``[B, T, H, D]`` over ``keys``/``values`` ``[B, Hkv, S, D]`` where ``mask``
+    ``[B, T, S]`` allows; ``[B, T, H * D]``."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1),
+                                         scale=drafter.self_attn.scale, enable_gqa=keys.shape[1] != q.shape[2])
+    return out.transpose(1, 2).flatten(-2)
+
+
+def _block_tail(drafter: LongSpecDrafter, x: torch.Tensor, a: torch.Tensor, cos: torch.Tensor,
+                sin_signed: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The block past its self-attention (``x``: the rows' embeddings, ``a``: their self-attention
+    ``[B, T, H * D]``): the normed states the head reads."""
+    h = x + F.linear(a, drafter.self_attn.o_proj.weight)
+    c = drafter.cross_attn
+    q = F.linear(_norm(drafter.post_self_attention_layernorm, h), c.q_proj.weight).unflatten(-1, (c.heads, c.head_dim))
+    h = h + F.linear(attend(_rope(q, cos, sin_signed)).flatten(-2), c.o_proj.weight)
+    m = drafter.mlp
+    fused = _fused(drafter)
+    gate, up = _project(_norm(drafter.post_cross_attention_layernorm, h), fused and fused[1],
+                        (m.gate_proj, m.up_proj)).chunk(2, dim=-1)
+    h = h + F.linear(F.silu(gate) * up, m.down_proj.weight)
+    return _norm(drafter.norm, h)
+
+
+def _log_probs(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, plan: BeamPlan) -> torch.Tensor:
+    """The head's log-probabilities in float32 (float64 for a float64 drafter), one kernel from
+    the head's logits (the softmax reads them in their dtype and accumulates in float32)."""
+    logits = head(h)
+    if logits.shape[-1] != plan.vocab:
+        raise ValueError(f"the beam was planned for {plan.vocab} draft tokens but the head gave {logits.shape[-1]} "
+                         "logits: pass draft_head(drafter, ...)")
+    return F.log_softmax(logits, dim=-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
+
+
+def _store(pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+           rows: torch.Tensor) -> None:
+    """Fed K/V ``[B, T, Hkv, D]`` into their rings; ``rows`` ``[B, 3T]``: ring row, slot, recorded position."""
+    pool_k, pool_v, pool_pos = pool
+    ring, slot, pos = rows.chunk(3, dim=1)
+    pool_k[ring, :, slot] = k
+    pool_v[ring, :, slot] = v
+    pool_pos[ring, slot] = pos
+
+
+@torch.no_grad()
+def feed_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor], rope: Rope,
+               pool: RingPool, pre: torch.Tensor, plan: BeamPlan) -> None:
+    """The eager part of a long feed (``pre`` from :meth:`BeamPlan.pack`, on the pool's device):
+    those tokens' window K/V into their rings, one projection for the batch. A steady step never
+    needs it (its few tokens are fed inside :func:`expand_rings`)."""
+    Fw = pre.shape[1] // 5
+    dt = pool.k.dtype
+    cos, sin = plan.rope_rows(rope, pre[:, 4 * Fw :], dt)
+    qk, v = _rotated_qkv(drafter, embed(pre[:, :Fw]).to(dt), cos, sin)
+    _store((pool.k, pool.v, pool.pos), qk[:, :, drafter.num_heads :], v, pre[:, Fw : 4 * Fw])
+
+
 @torch.no_grad()
 def expand_batch(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor],
-                 head: Callable[[torch.Tensor], torch.Tensor], rope: Rope, rings: Sequence[WindowCache],
+                 head: Callable[[torch.Tensor], torch.Tensor], rope: Rope, pool: RingPool, rings: Sequence[int],
                  attend: Attend, pending: Sequence[Sequence[int]], starts: Sequence[int],
-                 widths: Sequence[int] = DEFAULT_WIDTHS, tree_size: int = 63) -> DraftBeam:
+                 widths: Sequence[int] = DEFAULT_WIDTHS, tree_size: int = 63, feed: int = DEFAULT_FEED,
+                 plan: BeamPlan | None = None) -> DraftBeam:
     """:func:`expand` for a batch of requests, one drafter forward per level for all of them.
 
     Every request's beam has the same shape (the same widths, the same vocabulary), so a level is
     one ``[B, n]`` forward: its self-attention keys are each request's ring, its earlier tree nodes
     and its own rows (masks per request), its cross-attention is ``attend`` (each request's
     queries over the target's K/V of its committed positions ``[0, L_b)``, read however the
-    engine keeps them). ``rope``: the target's cos/sin at given positions. ``rings[b]``,
-    ``pending[b]``, ``starts[b]``: as ``ring``, ``pending``, ``start`` of :func:`expand`. Returns
-    ``[B, N]`` tensors, row b the tree :func:`expand` builds for request b.
+    engine keeps them). ``rope``: the target's cos/sin at given positions. ``rings[b]``: request
+    b's row of ``pool``; ``pending[b]``, ``starts[b]``: as ``pending``, ``start`` of :func:`expand`.
+    Returns ``[B, N]`` tensors, row b the tree :func:`expand` builds for request b.
 
-    Two parts: :func:`feed_rings` (the pending tokens join their rings; host lists in) and
-    :func:`expand_rings` (the beam itself: fixed shapes, no value read back, so an engine can replay
-    it as a CUDA graph).
+    Three parts: :meth:`BeamPlan.pack` (host lists -> one int64 row per request),
+    :func:`feed_rings` (only for feeds longer than ``feed`` tokens) and :func:`expand_rings` (the
+    last ``feed`` tokens join their rings, then the beam: fixed shapes, no value read back, so an
+    engine replays it as a CUDA graph).
     """
-    roots, lengths = feed_rings(drafter, embed, rope, rings, pending, starts)
-    beam, broken = expand_rings(drafter, embed, head, rope, roots, lengths, torch.stack([r.k for r in rings]),
-                                torch.stack([r.v for r in rings]), torch.stack([r.pos for r in rings]), attend,
-                                widths, tree_size)
+    if plan is None:
+        plan = BeamPlan.for_drafter(drafter, widths, tree_size, feed, pool.k.dtype, pool.k.device)
+    pre, step = plan.pack(pending, starts, rings, pool.scratch)
+    if pre is not None:
+        feed_rings(drafter, embed, rope, pool, pre.to(pool.k.device), plan)
+    beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), step.to(pool.k.device),
+                                attend, plan)
     if bool(broken.any()):
         raise AssertionError("the cut tree is not closed under ancestors")
     return beam
 
 
 @torch.no_grad()
-def feed_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor], rope: Rope,
-               rings: Sequence[WindowCache], pending: Sequence[Sequence[int]], starts: Sequence[int]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pending tokens join their rings (one window-K/V pass for the batch; only each request's
-    last ``window`` matter). Returns the roots (each request's last pending token) and the committed
-    lengths ``L_b`` (the roots' positions), ``[B]`` on the rings' device."""
-    if not rings or len(rings) != len(pending) or len(pending) != len(starts):
-        raise ValueError("one ring, one pending list and one start per request")
-    if any(not p for p in pending):
-        raise ValueError("the drafter needs at least the root token")
-    dev, dt = rings[0].k.device, rings[0].k.dtype
-    W = drafter.window
-    lengths = [s + len(p) - 1 for s, p in zip(starts, pending)]  # L_b: committed tokens, the root's position
-    feeds = [list(p)[-W:] for p in pending]
-    pos = torch.cat([torch.arange(L - len(f) + 1, L + 1) for f, L in zip(feeds, lengths)]).to(dev)
-    cos, sin = rope(pos)
-    k, v = drafter.window_kv(embed(torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)).to(dt),
-                             cos, sin)
-    offset = 0
-    for ring, f in zip(rings, feeds):
-        ring.write(pos[offset : offset + len(f)], k[:, offset : offset + len(f)], v[:, offset : offset + len(f)])
-        offset += len(f)
-    return (torch.tensor([f[-1] for f in feeds], dtype=torch.long, device=dev),
-            torch.tensor(lengths, dtype=torch.long, device=dev))
-
-
-@torch.no_grad()
 def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch.Tensor],
-                 head: Callable[[torch.Tensor], torch.Tensor], rope: Rope, roots: torch.Tensor, lengths: torch.Tensor,
-                 ring_k: torch.Tensor, ring_v: torch.Tensor, ring_pos: torch.Tensor, attend: Attend,
-                 widths: Sequence[int] = DEFAULT_WIDTHS, tree_size: int = 63) -> tuple[DraftBeam, torch.Tensor]:
-    """The beam of :func:`expand_batch` once the rings hold every history token: ``roots``,
-    ``lengths`` ``[B]``; the stacked rings ``ring_k``/``ring_v`` ``[B, Hkv, W, D]``, ``ring_pos``
-    ``[B, W]``. Every shape follows from ``B``, the widths and the vocabulary, and nothing is read
-    back to the host: one CUDA graph per batch size can replay it. Returns the ``[B, N]`` beam and
-    a ``[B]`` flag of rows whose cut was not closed under ancestors (never set; checked by the caller
-    once the beam is on the host anyway)."""
-    B = roots.shape[0]
-    dev, dt = ring_k.device, ring_k.dtype
-    W = drafter.window
-    L = lengths
+                 head: Callable[[torch.Tensor], torch.Tensor], rope: Rope,
+                 pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: torch.Tensor, attend: Attend,
+                 plan: BeamPlan) -> tuple[DraftBeam, torch.Tensor]:
+    """A batch's step from its :meth:`BeamPlan.pack` rows ``step`` ``[B, columns]``: the last
+    ``feed`` tokens of each request join its ring (``pool``: a :class:`RingPool`'s ``k``, ``v``,
+    ``pos``, written in place), then the beam. Every shape follows from ``B`` and the plan and
+    nothing is read back to the host: one CUDA graph per batch size can replay it. Returns the
+    ``[B, N]`` beam and a ``[B]`` flag of rows whose cut was not closed under ancestors (never
+    set; checked by the caller once the beam is on the host anyway).
 
-    # The roots: their windows are the rings (their own slots masked: their own keys come last).
-    root_pos = L[:, None]
-    x = embed(roots)[:, None].to(dt)
-    r_cos, r_sin = rope(root_pos)
-    mask = _window_visible(ring_pos, root_pos, W) & (ring_pos != L[:, None])[:, None, :]
-    mask = torch.cat([mask, torch.ones(B, 1, 1, dtype=torch.bool, device=dev)], dim=2)
-    h, _, _ = drafter.forward_with(x, r_cos, r_sin, ring_k, ring_v, mask, attend)
-    logp = torch.log_softmax(head(h).to(torch.float64 if dt == torch.float64 else torch.float32), dim=-1)[:, 0]
-    V = _draft_width(drafter, logp)
-    w = min(widths[0], V)
-    score, token = logp.topk(w, dim=-1)  # [B, w]
-    pool_s, pool_t = [score], [drafter.to_target(token)]
-    pool_p = [torch.full((B, w), -1, dtype=torch.long, device=dev)]
-    pool_d = [torch.ones(w, dtype=torch.long, device=dev)]
-    anc = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # [B, P, P], as in expand
-    front = torch.arange(w, device=dev)
-    done_k = done_v = None
-    done = torch.zeros(0, dtype=torch.long, device=dev)
-    size = w
-    for level in range(2, len(widths) + 1):
-        n = front.shape[0]
-        fpos = (L + (level - 1))[:, None].expand(B, n)
-        f_cos, f_sin = rope(fpos)
-        x = embed(torch.cat(pool_t, dim=1)[:, front]).to(dt)
-        parts_k, parts_v, masks = [ring_k], [ring_v], [_window_visible(ring_pos, fpos, W)]
-        if done_k is not None:
-            parts_k.append(done_k)
-            parts_v.append(done_v)
-            near = (level - 1 - torch.cat(pool_d)[done]) < W
-            masks.append(anc[:, front][:, :, done] & near[None, None, :])
-        masks.append(torch.eye(n, dtype=torch.bool, device=dev).expand(B, n, n))
-        h, fk, fv = drafter.forward_with(x, f_cos, f_sin, torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2),
-                                         torch.cat(masks, dim=2), attend)
-        done_k = fk if done_k is None else torch.cat([done_k, fk], dim=2)
-        done_v = fv if done_v is None else torch.cat([done_v, fv], dim=2)
-        done = torch.cat([done, front])
-        logp = torch.log_softmax(head(h).to(score.dtype), dim=-1)  # [B, n, V]
-        cand = (torch.cat(pool_s, dim=1)[:, front][:, :, None] + logp).reshape(B, -1)
-        w = min(widths[level - 1], cand.shape[1])
-        score, flat = cand.topk(w, dim=-1)
-        parent = front[flat // V]  # [B, w]
-        pool_s.append(score)
-        pool_t.append(drafter.to_target(flat % V))
-        pool_p.append(parent)
-        pool_d.append(torch.full((w,), level, dtype=torch.long, device=dev))
-        grown = torch.zeros(B, size + w, size + w, dtype=torch.bool, device=dev)
-        grown[:, :size, :size] = anc
-        grown[:, size:, :size] = anc.gather(1, parent[:, :, None].expand(B, w, size))
-        grown[:, size:, size:] = torch.eye(w, dtype=torch.bool, device=dev)
-        anc = grown
-        front = torch.arange(size, size + w, device=dev)
-        size += w
-    return select_nodes_batched(torch.cat(pool_s, dim=1), torch.cat(pool_t, dim=1), torch.cat(pool_p, dim=1),
-                                torch.cat(pool_d), tree_size)
+    The root is the feed's last token: its queries come from the feed's own projection and its
+    keys are its ring, where the feed just wrote its K/V. Each later level writes its rows' K/V
+    after the ring in one ``[B, Hkv, W + forwarded, D]`` buffer and attends over the columns
+    written so far, masked by the window (ring) and the ancestor matrix (tree).
+    """
+    B, dt = step.shape[0], pool[0].dtype
+    Fw, D, W, H = plan.feed, plan.depth, plan.window, drafter.num_heads
+    tokens, writes = step[:, :Fw], step[:, Fw : 4 * Fw]
+    positions = step[:, 4 * Fw : 5 * Fw + D - 1]  # the feed's, then levels 2 .. D's (L + 1 ..)
+    ring = step[:, -1]
+    cos, sin = plan.rope_rows(rope, positions, dt)  # [B, F + D - 1, 1, hd]
+    x = embed(tokens).to(dt)
+    qk, v = _rotated_qkv(drafter, x, cos[:, :Fw], sin[:, :Fw])
+    _store(pool, qk[:, :, H:], v, writes)
+
+    keys, values, ring_pos = pool[0][ring], pool[1][ring], pool[2][ring]  # [B, Hkv, W, D], [B, W]
+    if plan.forwarded:
+        pad = plan.tree_pad.expand(B, -1, -1, -1)
+        keys, values = torch.cat([keys, pad], dim=2), torch.cat([values, pad], dim=2)
+    visible = _window_visible(ring_pos, positions[:, Fw - 1 :], W)  # [B, D, W]: query positions L .. L + D - 1
+
+    # The root (position L): its window is its ring.
+    root = slice(Fw - 1, Fw)
+    a = _self_attend(drafter, qk[:, root, :H], keys[:, :, :W], values[:, :, :W], visible[:, :1])
+    h = _block_tail(drafter, x[:, root], a, cos[:, root], sin[:, root], attend)
+    score, pick = _log_probs(head, h, plan)[:, 0].topk(plan.widths[0], dim=-1)
+    levels = [(score, drafter.to_target(pick), plan.first_parents.expand(B, -1))]
+    ancestors = plan.ancestors(B)
+    for level in range(2, D + 1):
+        lo, n = plan.offsets[level - 2], plan.widths[level - 2]  # the frontier: level - 1's nodes
+        at = slice(Fw + level - 2, Fw + level - 1)  # its position, L + level - 1
+        x = embed(levels[-1][1]).to(dt)
+        qk, v = _rotated_qkv(drafter, x, cos[:, at], sin[:, at])
+        keys[:, :, W + lo : W + lo + n] = qk[:, :, H:].transpose(1, 2)
+        values[:, :, W + lo : W + lo + n] = v.transpose(1, 2)
+        mask = torch.cat([visible[:, level - 1 : level].expand(B, n, W), plan.tree_mask(ancestors, level)], dim=2)
+        a = _self_attend(drafter, qk[:, :, :H], keys[:, :, : W + lo + n], values[:, :, : W + lo + n], mask)
+        h = _block_tail(drafter, x, a, cos[:, at], sin[:, at], attend)
+        score, pick, row = best_children(levels[-1][0], _log_probs(head, h, plan), plan.widths[level - 1])
+        parent = row + lo
+        if level < D:
+            plan.add_ancestors(ancestors, parent, level)
+        levels.append((score, drafter.to_target(pick), parent))
+    scores, tokens, parents = (torch.cat([lv[i] for lv in levels], dim=1) for i in range(3))
+    return select_nodes_batched(scores, tokens, parents, plan.depths, plan.tree_size)
 
 
 def select_nodes_batched(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

@@ -4,9 +4,11 @@ Per step the requests that draft go through one batched beam (:func:`sgl_longgen
 one block forward per level for the whole batch), run by the shared method
 (:class:`sgl_longgen.methods.LongSpec`: what each request's ring must be fed, the trie from the beam):
 
-* the **self-attention** reads each request's window ring (:class:`~sgl_longgen.core.longspec.WindowCache`,
-  ``window`` tokens, allocated at its first draft): the drafter's only memory per request, fixed
-  whatever the context grows to;
+* the **self-attention** reads each request's window ring (a row of the drafter's
+  :class:`~sgl_longgen.core.longspec.RingPool`, ``window`` tokens, taken at its first draft and
+  given back when it leaves): the drafter's only memory per request, fixed whatever the context
+  grows to. A step's few new tokens are written into the rings inside the step itself; only a
+  longer feed (a request's first draft) is written eagerly before it;
 * the **cross-attention** reads the target's last-layer K/V *in place* in SGLang's KV pool, through the
   request's slot row ``req_to_token[req_pool_idx, :L]``, ``L`` its committed length: never a verify
   window's slots, so no draft sees in-flight KV. SGLang's Llama/Qwen2 write their keys after RoPE,
@@ -36,12 +38,15 @@ import torch
 import torch.nn.functional as F
 
 from ..core.longspec import (
+    DEFAULT_FEED,
     Attend,
-    WindowCache,
+    BeamPlan,
+    RingPool,
     check_target,
     draft_head,
     expand_rings,
     feed_rings,
+    fuse_projections,
     load_drafter,
 )
 from ..core.owl import DraftBeam
@@ -159,9 +164,10 @@ def committed_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, rows: Se
     keys = [k_buffer[r.long()].transpose(0, 1) for r in rows]  # [Hkv, L, D]
     values = [v_buffer[r.long()].transpose(0, 1) for r in rows]
 
-    def attend(q: torch.Tensor) -> torch.Tensor:
-        return torch.stack([F.scaled_dot_product_attention(q[b], keys[b].to(q.dtype), values[b].to(q.dtype),
-                                                           scale=scale, enable_gqa=keys[b].shape[0] != q.shape[1])
+    def attend(q: torch.Tensor) -> torch.Tensor:  # [B, T, H, D]
+        return torch.stack([F.scaled_dot_product_attention(q[b].transpose(0, 1), keys[b].to(q.dtype),
+                                                           values[b].to(q.dtype), scale=scale,
+                                                           enable_gqa=keys[b].shape[0] != q.shape[2]).transpose(0, 1)
                             for b in range(q.shape[0])])
 
     return attend
@@ -187,19 +193,19 @@ def kernel_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, indptr: tor
     only on the batch and the query rows, so a CUDA graph replays it with other slots."""
     from ..kernels.prefix_attention import prefix_attention
 
-    def attend(q: torch.Tensor) -> torch.Tensor:
-        B, H, T, D = q.shape
-        flat = q.transpose(1, 2).reshape(B * T, H, D).contiguous()
-        out, _ = prefix_attention(flat, k_buffer, v_buffer, indptr, indices, scale)
-        return out.view(B, T, H, D).transpose(1, 2)
+    def attend(q: torch.Tensor) -> torch.Tensor:  # [B, T, H, D], token-major as the kernel reads it
+        B, T, H, D = q.shape
+        out, _ = prefix_attention(q.reshape(B * T, H, D).contiguous(), k_buffer, v_buffer, indptr, indices, scale)
+        return out.view(B, T, H, D)
 
     return attend
 
 
 class GraphedBeam:
-    """A batch's beam (``fn``: :func:`~sgl_longgen.core.longspec.expand_rings` over fixed-shape
-    inputs) replayed as one CUDA graph per batch size: the eager beam is some hundred small kernel
-    launches and host work per level (23 ms for one request on an H100, at 4K as at 98K).
+    """A batch's step (``fn``: :func:`~sgl_longgen.core.longspec.expand_rings` over fixed-shape
+    inputs: the steady ring feed and the beam) replayed as one CUDA graph per batch size: the eager
+    step is some hundred small kernel launches and host work per level (23 ms for one request on
+    an H100, at 4K as at 98K).
 
     A batch size's first replay is checked against the eager beam on the same inputs (the same
     kernels run, so tokens and parents must agree exactly); a failed capture or a disagreement is
@@ -240,21 +246,28 @@ class GraphedBeam:
 # -- the drafter ------------------------------------------------------------------------------------
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``: through pinned memory without waiting on a GPU (a pageable
+    copy would block the host until the device is idle); as is elsewhere."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class LongSpecRequest:
-    """One request's drafting: the method's state and its window ring, created at the request's
-    first draft and kept with its state (``window`` tokens, whatever its context)."""
+    """One request's drafting: the method's state (its ring is the pool row the drafter keeps for
+    its rid, taken at its first draft: ``window`` tokens, whatever its context)."""
 
     method: LongSpecState
-    ring: WindowCache | None = None
 
 
 @dataclass
 class _Batch:
-    rings: list[WindowCache]
-    attend: Attend
-    # The graphed beam's cross-attention slots: kv_indptr and kv_indices padded to a fixed size.
-    slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    rings: list[int]  # each request's row of the ring pool
+    attend: Attend | None  # the eager beam's cross-attention
+    # The graphed beam's cross-attention: kv_indptr (the slots themselves are in a buffer per batch size).
+    indptr: torch.Tensor | None = None
 
 
 class LongSpecDrafter(Drafter):
@@ -274,6 +287,7 @@ class LongSpecDrafter(Drafter):
             raise LonggenError("LONGSPEC runs with --tp-size 1 for now")
         self.dtype = next(model.parameters()).dtype
         self.drafter = load_drafter(draft.path, dtype=self.dtype).to(env.device)
+        fuse_projections(self.drafter)
         self.rope = TargetRope(target_rotary(model, self.drafter.head_dim))
         reach = int(runner.model_config.context_len) + len(c.widths) + 1
         if self.rope.positions < reach:
@@ -295,10 +309,17 @@ class LongSpecDrafter(Drafter):
         self._pool_checked = False
         self._batch: _Batch | None = None
         self.context_len = int(runner.model_config.context_len)
+        d = self.drafter
+        # Every request's window ring, one pool row each (kept from its first draft to its end).
+        self.pool = RingPool(d.num_kv_heads, d.window, d.head_dim, self.dtype, env.device)
+        self.rings: dict[str, int] = {}
+        self.plan = BeamPlan.for_drafter(d, self.widths, self.tree_size, DEFAULT_FEED, self.dtype, env.device)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's last-layer K/V
-        # On a GPU the beam replays as CUDA graphs; its RoPE then reads a table of its own (a graph
+        self._slots: dict[int, torch.Tensor] = {}  # batch size -> the graphed beam's kv_indices
+        # On a GPU the step replays as CUDA graphs; its RoPE then reads a table of its own (a graph
         # keeps addresses: SGLang may recast its table, the copy never moves).
         self._graphed = None
+        self._graph_version = self.pool.version
         if env.device.type == "cuda":
             self.rope = FrozenRope(self.rope)
             self._graphed = GraphedBeam(self._beam)
@@ -306,19 +327,27 @@ class LongSpecDrafter(Drafter):
     # -- per request -----------------------------------------------------------------------------
 
     def start(self, step: StepRequest) -> LongSpecRequest:
+        ring = self.rings.get(step.rid)
+        if ring is not None:  # the request starts over (its state was dropped): so does its ring
+            self.pool.pos[ring].fill_(-1)
         return LongSpecRequest(self.method.start(step.rid, step.history))
 
     def finish(self, rid: str) -> None:
         self.method.finish(rid)
+        ring = self.rings.pop(rid, None)
+        if ring is not None:
+            self.pool.give(ring)
 
     def reset(self) -> None:
-        self.method.reset()  # the rings stay with their requests' states, in step with them
+        self.method.reset()
+        self.rings.clear()  # every request's state is dropped with the cache: so are the rings
+        self.pool.clear()
 
-    def _ring(self, request: LongSpecRequest) -> WindowCache:
-        if request.ring is None:
-            d = self.drafter
-            request.ring = WindowCache(d.num_kv_heads, d.window, d.head_dim, self.dtype, self.env.device)
-        return request.ring
+    def _ring(self, rid: str) -> int:
+        ring = self.rings.get(rid)
+        if ring is None:
+            ring = self.rings[rid] = self.pool.take()
+        return ring
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -340,8 +369,8 @@ class LongSpecDrafter(Drafter):
             drafts[i] = draft
         clock = self.env.clock
         if clock.active:  # what the drafter holds per request, next to the context it read
-            clock.note("longspec_ring_bytes", float(max(r.nbytes for r in rings)))
-            clock.note("longspec_ring_tokens", float(max(int((r.pos >= 0).sum()) for r in rings)))
+            clock.note("longspec_ring_bytes", float(self.pool.ring_nbytes))
+            clock.note("longspec_ring_tokens", float(max(self.pool.held(r) for r in rings)))
             clock.note("longspec_cross_tokens", float(max(s.seq_len for s in active)))
         return drafts
 
@@ -362,37 +391,65 @@ class LongSpecDrafter(Drafter):
             rows.append(table[s.req.req_pool_idx, : s.seq_len])  # committed slots only: never the verify window
         k_buffer, v_buffer = pool.get_kv_buffer(self.layer_id)
         kernel = self.env.device.type == "cuda" and k_buffer.dtype in KERNEL_DTYPES
-        rings = [self._ring(s.state.method) for s in active]
-        if kernel and self._graphed is not None and self._graphed.enabled:
+        rings = [self._ring(s.rid) for s in active]
+        if kernel and self._graph() is not None:
             self._buffers = (k_buffer, v_buffer)
-            slots = slot_lists(rows, k_buffer.device, capacity=len(rows) * self.context_len)
-            return _Batch(rings, kernel_attention(k_buffer, v_buffer, *slots, self.drafter.cross_attn.scale), slots)
+            return _Batch(rings, None, self._graph_slots(rows))
         attend = committed_attention(k_buffer, v_buffer, rows, self.drafter.cross_attn.scale, kernel)
         return _Batch(rings, attend)
 
-    def _expand(self, rids, pending, starts):
-        """The rings take the pending tokens, then one beam for the batch: the graphed one on a GPU
-        (cross-attention slots padded to a fixed size), else eager over the batch's ``attend``."""
-        b = self._batch
-        roots, lengths = feed_rings(self.drafter, self.embedding, self.rope, b.rings, pending, starts)
-        rings = (torch.stack([r.k for r in b.rings]), torch.stack([r.v for r in b.rings]),
-                 torch.stack([r.pos for r in b.rings]))
-        if b.slots is None:
-            beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope, roots, lengths, *rings,
-                                        b.attend, self.widths, self.tree_size)
+    def _graph(self) -> GraphedBeam | None:
+        """The graphed step, captured again after the ring pool grew (its graphs hold the old
+        tensors); None where the eager step serves."""
+        if self._graphed is None or not self._graphed.enabled:
+            return None
+        if self._graph_version != self.pool.version:
+            self._graphed = GraphedBeam(self._beam)
+            self._graph_version = self.pool.version
+        return self._graphed
+
+    def _graph_slots(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's committed slots into its batch size's kv_indices buffer (a fixed address a
+        graph reads; one copy on the device); returns kv_indptr, on the device."""
+        B = len(rows)
+        buf = self._slots.get(B)
+        if buf is None:
+            buf = self._slots[B] = torch.zeros(B * self.context_len, dtype=torch.int32, device=self.env.device)
+        total = sum(r.numel() for r in rows)
+        if len(rows) == 1:
+            buf[:total].copy_(rows[0])
         else:
-            *fields, broken = self._graphed(roots, lengths, *rings, *b.slots)
+            torch.cat([r.to(torch.int32) for r in rows], out=buf[:total])
+        indptr = torch.tensor(list(itertools.accumulate((r.numel() for r in rows), initial=0)), dtype=torch.int32)
+        return to_device(indptr, self.env.device)
+
+    def _expand(self, rids, pending, starts):
+        """Long feeds join their rings eagerly (a request's first draft), then one step for the
+        batch: the graphed one on a GPU (the steady feed and the beam), else eager over ``attend``."""
+        b = self._batch
+        dev = self.env.device
+        pre, step = self.plan.pack(pending, starts, b.rings, self.pool.scratch)
+        if pre is not None:
+            feed_rings(self.drafter, self.embedding, self.rope, self.pool, to_device(pre, dev), self.plan)
+        step = to_device(step, dev)
+        if b.indptr is None:
+            beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope,
+                                        (self.pool.k, self.pool.v, self.pool.pos), step, b.attend, self.plan)
+        else:
+            *fields, broken = self._graphed(step, b.indptr)
             beam = DraftBeam(*fields)
         if bool(broken.any()):
             raise AssertionError("the cut tree is not closed under ancestors")
         return beam
 
-    def _beam(self, roots, lengths, ring_k, ring_v, ring_pos, kv_indptr, kv_indices):
-        """The graphed beam's body: fixed shapes for a batch size, the pool's last-layer K/V read in place."""
+    def _beam(self, step, kv_indptr):
+        """The graphed step's body: fixed shapes for a batch size; the ring pool, the batch size's
+        kv_indices and the pool's last-layer K/V read (and the rings written) in place."""
         k_buffer, v_buffer = self._buffers
-        attend = kernel_attention(k_buffer, v_buffer, kv_indptr, kv_indices, self.drafter.cross_attn.scale)
-        beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope, roots, lengths, ring_k,
-                                    ring_v, ring_pos, attend, self.widths, self.tree_size)
+        attend = kernel_attention(k_buffer, v_buffer, kv_indptr, self._slots[step.shape[0]],
+                                  self.drafter.cross_attn.scale)
+        beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope,
+                                    (self.pool.k, self.pool.v, self.pool.pos), step, attend, self.plan)
         return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
     def _full_head(self, h: torch.Tensor) -> torch.Tensor:

@@ -464,3 +464,174 @@ def test_the_ring_holds_the_last_window_positions_whatever_was_fed():
     vis = ring.visible(torch.tensor([17, 19]))
     assert ring.pos[vis[0]].sort().values.tolist() == [13, 14, 15, 16, 17]
     assert ring.pos[vis[1]].sort().values.tolist() == [15, 16, 17]  # (19 - 5, 19]
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine's batched step: a ring pool, the packed feed, the plan's static tensors
+
+
+def cross_attention_over(d: LongSpecDrafter, net: Transformer, caches, lengths):
+    """An engine's ``attend``: request b's queries ``[T, H, D]`` over its committed target K/V ``[0, L_b)``."""
+    last = net.config.num_hidden_layers - 1
+
+    def attend(q):
+        return torch.stack([torch.nn.functional.scaled_dot_product_attention(
+            q[b].transpose(0, 1), cache.k[last][:, :L], cache.v[last][:, :L], scale=d.cross_attn.scale,
+            enable_gqa=True).transpose(0, 1) for b, (cache, L) in enumerate(zip(caches, lengths))])
+
+    return attend
+
+
+@pytest.mark.parametrize("window,widths,tree_size,feed,fused", [
+    (512, [4, 16, 16, 16, 16], 63, 8, True),  # the paper's beam; first drafts feed most tokens eagerly
+    (16, [4, 8, 8], 14, 3, False),  # long feeds split between the eager part and the step, the ring wrapping
+    (6, [3, 5, 4], 9, 2, True),
+    (3, [2, 3, 3, 3, 3], 100, 8, False),  # a window shallower than the tree (and narrower than the feed)
+])
+def test_the_batched_step_is_each_requests_beam_step_after_step(window, widths, tree_size, feed, fused):
+    """Requests of several lengths drafting side by side over several steps, each step feeding
+    what each one committed since its last (1 to 9 tokens): every row of the batched step is what
+    :func:`expand` builds for that request alone, and every ring holds what that request's own
+    ring holds. The pool starts too small and grows under the rings."""
+    from sgl_longgen.core.longspec import RingPool, expand_batch, fuse_projections
+
+    net, d = target(), drafter(window)
+    if fused:
+        fuse_projections(d)
+    g = torch.Generator().manual_seed(5)
+    histories = [torch.randint(0, 40, (n,), generator=g).tolist() for n in (12, 5, 30)]
+    pool = RingPool(d.num_kv_heads, window, d.head_dim, torch.float64, "cpu", capacity=1)
+    refs = [WindowCache(d.num_kv_heads, window, d.head_dim, torch.float64, "cpu") for _ in histories]
+    fed = [0] * len(histories)
+    rings: list[int] = []
+    last = net.config.num_hidden_layers - 1
+    for grow in ((0, 0, 0), (1, 3, 9), (4, 1, 2), (9, 6, 1)):
+        histories = [h + torch.randint(0, 40, (k,), generator=g).tolist() for h, k in zip(histories, grow)]
+        caches = [prefill(net, h[:-1]) for h in histories]
+        lengths = [len(h) - 1 for h in histories]
+        while len(rings) < len(histories):
+            rings.append(pool.take())
+        rope = lambda p: rope_tables(net.inv_freq, p, torch.float64)  # noqa: E731
+        beam = expand_batch(d, net.model.embed_tokens, net.lm_head, rope, pool, rings,
+                            cross_attention_over(d, net, caches, lengths), [h[f:] for h, f in zip(histories, fed)],
+                            fed, widths, tree_size, feed)
+        for b, (h, cache, ref) in enumerate(zip(histories, caches, refs)):
+            start = max(fed[b], len(h) - window)
+            want = expand(d, net.model.embed_tokens, net.lm_head, net.inv_freq, ref, cache.k[last], cache.v[last],
+                          h[start:], start, widths, tree_size)
+            assert beam.tokens[b].tolist() == want.tokens[0].tolist()
+            assert beam.parents[b].tolist() == want.parents[0].tolist()
+            assert beam.depths[b].tolist() == want.depths[0].tolist()
+            assert torch.allclose(beam.scores[b], want.scores[0], atol=1e-9)
+            assert torch.equal(pool.pos[rings[b]], ref.pos)
+            assert torch.allclose(pool.k[rings[b]], ref.k, atol=1e-12)
+            assert torch.allclose(pool.v[rings[b]], ref.v, atol=1e-12)
+        fed = [len(h) for h in histories]
+    assert pool.capacity == 4 and pool.version == 2 and pool.scratch not in rings
+
+
+def test_a_step_feeds_its_last_tokens_and_the_rest_goes_first():
+    """The packed rows: a feed longer than the step's width leaves its earlier tokens to the eager
+    part; padding repeats the root and is written to the scratch ring (recording no position)."""
+    from sgl_longgen.core.longspec import BeamPlan
+
+    plan = BeamPlan([2, 3, 3], 5, vocab=40, window=8, feed=3, kv_heads=2, head_dim=8, dtype=torch.float64,
+                    device="cpu")
+    pre, step = plan.pack([[7, 8, 9, 10, 11], [4]], [20, 9], [0, 1], scratch=5)
+    assert step.shape == (2, plan.columns) == (2, 5 * 3 + 3)
+    tok, ring, slot, recorded, rope_at, rest = step.split([3, 3, 3, 3, 3, 3], dim=1)
+    assert tok.tolist() == [[9, 10, 11], [4, 4, 4]]
+    assert ring.tolist() == [[0, 0, 0], [5, 5, 1]]
+    assert slot.tolist() == [[22 % 8, 23 % 8, 24 % 8], [0, 0, 9 % 8]]
+    assert recorded.tolist() == [[22, 23, 24], [-1, -1, 9]]
+    assert rope_at.tolist() == [[22, 23, 24], [9, 9, 9]]
+    assert rest.tolist() == [[25, 26, 0], [10, 11, 1]]  # levels 2 and 3 at L + 1, L + 2; the ring row
+    assert pre.tolist() == [[7, 8, 0, 0, 20 % 8, 21 % 8, 20, 21, 20, 21],
+                            [0, 0, 5, 5, 0, 0, -1, -1, 0, 0]]  # request 1 has nothing to feed early
+    pre, _ = plan.pack([[1, 2], [3]], [0, 0], [0, 1], scratch=5)
+    assert pre is None
+    long = list(range(100))
+    pre, step = plan.pack([long], [0], [0], scratch=5)  # only the last window of it can matter
+    assert pre[0, :5].tolist() == long[-8:-3] and step[0, :3].tolist() == long[-3:]
+    with pytest.raises(ValueError, match="at least the root"):
+        plan.pack([[]], [0], [0], scratch=5)
+
+
+def test_the_ring_pool_grows_keeping_its_rings_and_hands_out_empty_ones():
+    from sgl_longgen.core.longspec import RingPool
+
+    pool = RingPool(2, 4, 3, torch.float32, "cpu", capacity=2)
+    a, b = pool.take(), pool.take()
+    pool.k[a], pool.pos[a] = 1.0, torch.tensor([0, 1, 2, 3])
+    pool.k[b], pool.pos[b] = 2.0, torch.tensor([4, 5, -1, -1])
+    assert pool.version == 0 and pool.scratch == 2
+    c = pool.take()  # full: the pool doubles
+    assert pool.capacity == 4 and pool.version == 1 and pool.scratch == 4 and c not in (a, b, pool.scratch)
+    assert (pool.k[a] == 1.0).all() and (pool.k[b] == 2.0).all() and pool.pos[b].tolist() == [4, 5, -1, -1]
+    assert pool.held(a) == 4 and pool.held(b) == 2 and pool.held(c) == 0
+    pool.give(a)
+    again = pool.take()
+    assert again == a and pool.held(again) == 0  # a ring handed out again is empty
+    assert pool.ring_nbytes == 2 * 2 * 4 * 3 * 4 + 4 * 8  # K and V float32, the positions int64
+    pool.clear()
+    assert sorted(pool.take() for _ in range(4)) == [0, 1, 2, 3] and (pool.pos == -1).all()
+
+
+def test_best_children_are_the_best_of_all_children():
+    """Each row's top first, then the best of those: the flattened level's top ``width`` (the same
+    pairs without ties; with ties the same scores, from pairs that really score them)."""
+    from sgl_longgen.core.longspec import best_children
+
+    g = torch.Generator().manual_seed(0)
+    for B, n, V, width in ((3, 4, 50, 16), (2, 16, 40, 16), (1, 3, 5, 15), (2, 1, 30, 4)):
+        parents = -torch.rand(B, n, generator=g, dtype=torch.float64) * 3
+        logp = torch.log_softmax(torch.randn(B, n, V, generator=g, dtype=torch.float64), -1)
+        score, pick, row = best_children(parents, logp, width)
+        flat = (parents[:, :, None] + logp).reshape(B, -1)
+        want_score, want_flat = flat.topk(width)
+        assert torch.equal(score, want_score)
+        assert torch.equal(row * V + pick, want_flat)
+    # ties everywhere: the same best scores, each from a distinct (row, token) that scores it
+    logp = torch.log_softmax(torch.randint(0, 3, (2, 4, 20), generator=g).double(), -1)
+    parents = torch.tensor([[0.0, 0.0, -1.0, 0.0], [-0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    score, pick, row = best_children(parents, logp, 16)
+    flat = (parents[:, :, None] + logp).reshape(2, -1)
+    assert torch.equal(score, flat.topk(16).values)
+    assert torch.equal(score, parents.gather(1, row) + logp[torch.arange(2)[:, None], row, pick])
+    assert all(len(set((row[b] * 20 + pick[b]).tolist())) == 16 for b in range(2))
+    again = best_children(parents, logp, 16)
+    assert all(torch.equal(x, y) for x, y in zip((score, pick, row), again))  # ties broken alike every time
+
+
+def test_the_steps_rope_is_apply_rope_bit_for_bit():
+    from sgl_longgen.core.longspec import _rope, apply_rope
+
+    g = torch.Generator().manual_seed(1)
+    cos, sin = rope_tables(torch.rand(8, dtype=torch.float64), torch.arange(5), torch.float32)  # [5, 16]
+    sign = torch.cat([-torch.ones(8), torch.ones(8)])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 3, 16, generator=g).to(dtype)  # [T, heads, D], token-major
+        want = apply_rope(x.transpose(0, 1), cos, sin).transpose(0, 1)  # [heads, T, D] as the block has it
+        got = _rope(x, cos.to(dtype)[:, None], (sin * sign).to(dtype)[:, None])
+        assert torch.equal(got, want)
+
+
+def test_fused_projections_are_the_blocks_weights():
+    """Fusing makes the q/k/v (gate/up) weights views of one matrix: the state is unchanged, a
+    load writes through to the fused matrix, and a drafter moved afterwards runs unfused."""
+    from sgl_longgen.core.longspec import _fused, fuse_projections
+
+    d = drafter()
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    fuse_projections(d)
+    qkv, gate_up = _fused(d)
+    assert all(torch.equal(before[k], v) for k, v in d.state_dict().items())
+    a = d.self_attn
+    assert torch.equal(qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    assert gate_up.shape == (2 * d.intermediate_size, d.hidden_size)
+    d.load_state_dict({**before, "self_attn.v_proj.weight": before["self_attn.v_proj.weight"] + 1})
+    assert torch.equal(qkv[-a.v_proj.weight.shape[0]:], before["self_attn.v_proj.weight"] + 1)
+    d.float()
+    assert _fused(d) is None
+    fuse_projections(d)
+    assert _fused(d)[0].dtype == torch.float32

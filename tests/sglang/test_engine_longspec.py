@@ -30,6 +30,7 @@ from sgl_longgen.core.longspec import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     LongSpecDrafter,
+    RingPool,
     WindowCache,
     draft_head,
     expand,
@@ -324,10 +325,11 @@ def test_the_batched_beam_over_a_paged_pool_is_the_reference_beam(draft_vocab):
         offset += len(h) + 6  # room for a verify window between requests
     rope = lambda p: rope_tables(net.inv_freq, p, torch.float64)
     widths, tree_size = [4, 8, 8], 14
-    rings = [WindowCache(2, 8, 16, torch.float64, "cpu") for _ in histories]
+    pool = RingPool(2, 8, 16, torch.float64, "cpu", capacity=2)  # grows to hold the third request
+    rings = [pool.take() for _ in histories]
     attend = committed_attention(k_pool, v_pool, rows, d.cross_attn.scale, kernel=False)
-    beam = expand_batch(d, net.model.embed_tokens, sglang_head, rope, rings, attend, histories, [0, 0, 0], widths,
-                        tree_size)
+    beam = expand_batch(d, net.model.embed_tokens, sglang_head, rope, pool, rings, attend, histories, [0, 0, 0],
+                        widths, tree_size)
     if draft_vocab:
         assert set(beam.tokens.reshape(-1).tolist()) <= set(d.token_map.tolist())
     for b, (h, cache) in enumerate(zip(histories, caches)):
@@ -337,11 +339,15 @@ def test_the_batched_beam_over_a_paged_pool_is_the_reference_beam(draft_vocab):
         assert beam.tokens[b].tolist() == want.tokens[0].tolist()
         assert beam.parents[b].tolist() == want.parents[0].tolist()
         assert torch.allclose(beam.scores[b], want.scores[0], atol=1e-9)
-        assert torch.equal(rings[b].pos, ring.pos) and torch.allclose(rings[b].k, ring.k, atol=1e-12)
+        r = rings[b]
+        assert torch.equal(pool.pos[r], ring.pos) and torch.allclose(pool.k[r], ring.k, atol=1e-12)
+        assert torch.allclose(pool.v[r], ring.v, atol=1e-12)
     # A committed slot moved is seen (the rows, not the pool's order, decide what is read).
     k_pool[rows[0][3]] += 5.0
-    moved = expand_batch(d, net.model.embed_tokens, sglang_head, rope,
-                         [WindowCache(2, 8, 16, torch.float64, "cpu") for _ in histories],
+    for r in rings:  # the same requests drafting from scratch
+        pool.give(r)
+    rings = [pool.take() for _ in histories]
+    moved = expand_batch(d, net.model.embed_tokens, sglang_head, rope, pool, rings,
                          committed_attention(k_pool, v_pool, rows, d.cross_attn.scale, kernel=False), histories,
                          [0, 0, 0], widths, tree_size)
     assert not torch.allclose(moved.scores[0], beam.scores[0]) and torch.equal(moved.scores[1], beam.scores[1])
@@ -403,11 +409,16 @@ def test_the_prefix_kernel_path_is_its_torch_twin():
         v = torch.randn(300, 2, 16, generator=g).half()
         perm = torch.randperm(300, generator=g)
         rows = [perm[:150].int(), perm[150:153].int(), perm[160:260].int()]
-        q = torch.randn(3, 8, 5, 16, generator=g).half()  # [B, Hq, T, D]: GQA 4
+        q = torch.randn(3, 5, 8, 16, generator=g).half()  # [B, T, Hq, D]: GQA 4
         kernel = committed_attention(k, v, rows, 0.25, kernel=True)(q).float()
         twin = committed_attention(k.float(), v.float(), rows, 0.25, kernel=False)(q.float())
         err = (kernel - twin).abs().max().item()
-        assert kernel.shape == twin.shape == (3, 8, 5, 16) and err < 5e-3, err
+        assert kernel.shape == twin.shape == (3, 5, 8, 16) and err < 5e-3, err
+        # the twin is plain attention: request 1's queries over its three slots
+        keys, values = k[rows[1].long()].float(), v[rows[1].long()].float()  # [3, Hkv, D]
+        w = torch.einsum("thd,shd->ths", q[1].float(), keys.repeat_interleave(4, dim=1)) * 0.25
+        want = torch.einsum("ths,shd->thd", w.softmax(-1), values.repeat_interleave(4, dim=1))
+        assert torch.allclose(twin[1], want, atol=1e-5)
         print("OK", err)
     """)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # the interpreter's products go through numpy
