@@ -359,7 +359,8 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
 
     The drafter as the worker runs it: projections fused, the batch's rings rows of one pool,
     each step's input packed on the host and copied over once (``beam_graph_ms``: that, and one
-    replay of the step: the steady two-token feed and the beam)."""
+    replay of the step: the steady two-token feed and the beam; ``beam_graph_torch_topk_ms``: the
+    same with ``torch.topk`` where the worker runs the Triton top-k)."""
     import torch
 
     from ..core.longspec import (
@@ -403,27 +404,30 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
                 row[f"{prefix}beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         if dev.type == "cuda":  # the Triton kernel and the graph need a GPU
             kv_indptr, kv_indices = slot_lists(rows, dev, capacity=batch * max_context)
+            # the worker's step, and the same with torch's top-k (what the Triton top-k saves)
+            plans = {"graph": plan, "graph_torch_topk": BeamPlan.for_drafter(
+                drafter, DEFAULT_WIDTHS, 63, DEFAULT_FEED, k_buffer.dtype, dev, fused_topk=False)}
+            for name, step_plan in plans.items():
+                def body(packed, indptr, step_plan=step_plan):
+                    attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
+                    beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed,
+                                                attend, step_plan)
+                    return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
-            def body(packed, indptr):
-                attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
-                beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed, attend,
-                                            plan)
-                return beam.tokens, beam.parents, beam.depths, beam.scores, broken
+                graphed = GraphedBeam(body)
 
-            graphed = GraphedBeam(body)
+                def graph_step(graphed=graphed):
+                    _, packed = plan.pack(*steady, rings, pool.scratch)
+                    return graphed(to_device(packed, dev), kv_indptr)
 
-            def graph_step():
-                _, packed = plan.pack(*steady, rings, pool.scratch)
-                return graphed(to_device(packed, dev), kv_indptr)
-
-            try:
-                graph_step()
-                row[f"{prefix}beam_graph_ms"] = round(time_us(graph_step) / 1e3, 3)
-                row[f"{prefix}beam_graph_used"] = graphed.enabled
-                if profile_to is not None:
-                    _profile(graph_step, profile_to)
-            except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
-                row[f"{prefix}beam_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                try:
+                    graph_step()
+                    row[f"{prefix}beam_{name}_ms"] = round(time_us(graph_step) / 1e3, 3)
+                    row[f"{prefix}beam_{name}_used"] = graphed.enabled
+                    if profile_to is not None and name == "graph":
+                        _profile(graph_step, profile_to)
+                except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
+                    row[f"{prefix}beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
 def _profile(fn, path: Path) -> None:

@@ -685,8 +685,14 @@ def best_children(parent_scores: torch.Tensor, logp: torch.Tensor, width: int
     top-k over the flattened level would (both are best-``width`` sets; which one is drafted never
     changes what is committed); ``torch.topk`` breaks them the same way on every call.
     """
-    k = min(width, logp.shape[-1])
-    top, ids = logp.topk(k, dim=-1)
+    return best_of_rows(parent_scores, *logp.topk(min(width, logp.shape[-1]), dim=-1), width)
+
+
+def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`best_children` from each row's top ``k = min(width, V)`` log-probabilities ``top``
+    and their draft ids ``ids`` (``[..., n, k]``, however they were found)."""
+    k = top.shape[-1]
     cand = (parent_scores.unsqueeze(-1) + top).flatten(-2)
     score, flat = cand.topk(width, dim=-1)
     return score, ids.flatten(-2).gather(-1, flat), torch.div(flat, k, rounding_mode="floor")
@@ -804,7 +810,7 @@ class BeamPlan:
     """
 
     def __init__(self, widths: Sequence[int], tree_size: int, vocab: int, window: int, feed: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device):
+                 head_dim: int, dtype: torch.dtype, device, fused_topk: bool = True):
         if not widths or min(widths) < 1:
             raise ValueError(f"beam widths must be positive, got {list(widths)}")
         w = [min(widths[0], vocab)]
@@ -812,6 +818,7 @@ class BeamPlan:
             w.append(min(x, w[-1] * vocab))
         self.widths, self.depth = tuple(w), len(w)
         self.tree_size, self.vocab, self.window = tree_size, vocab, window
+        self.fused_topk = fused_topk  # on a GPU, each row's top-k through the Triton kernel
         self.feed = max(1, min(feed, window))  # two positions of one ring slot never share a feed
         self.offsets = tuple(itertools.accumulate(w, initial=0))
         self.forwarded = P = self.offsets[-1] - w[-1]
@@ -838,9 +845,9 @@ class BeamPlan:
 
     @classmethod
     def for_drafter(cls, drafter: LongSpecDrafter, widths: Sequence[int], tree_size: int, feed: int,
-                    dtype: torch.dtype, device) -> BeamPlan:
+                    dtype: torch.dtype, device, fused_topk: bool = True) -> BeamPlan:
         return cls(widths, tree_size, drafter.draft_vocab_size, drafter.window, feed, drafter.num_kv_heads,
-                   drafter.head_dim, dtype, device)
+                   drafter.head_dim, dtype, device, fused_topk)
 
     @property
     def columns(self) -> int:
@@ -998,14 +1005,23 @@ def _block_tail(drafter: LongSpecDrafter, x: torch.Tensor, a: torch.Tensor, cos:
     return _norm(drafter.norm, h)
 
 
-def _log_probs(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, plan: BeamPlan) -> torch.Tensor:
-    """The head's log-probabilities in float32 (float64 for a float64 drafter), one kernel from
-    the head's logits (the softmax reads them in their dtype and accumulates in float32)."""
+def _row_top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, k: int, plan: BeamPlan
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` best next tokens: their log-probabilities (float32; float64 for a float64
+    drafter) and draft ids. On a GPU one Triton pass over the logits (``kernels/longspec_topk.py``:
+    the log-sum-exp and the top ``k`` per row, ties lowest id first) instead of a vocabulary-wide
+    log-softmax and ``torch.topk``'s multi-block radix select; elsewhere those two."""
     logits = head(h)
     if logits.shape[-1] != plan.vocab:
         raise ValueError(f"the beam was planned for {plan.vocab} draft tokens but the head gave {logits.shape[-1]} "
                          "logits: pass draft_head(drafter, ...)")
-    return F.log_softmax(logits, dim=-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
+    if plan.fused_topk and logits.is_cuda and h.dtype != torch.float64:
+        from ..kernels.longspec_topk import MAX_K, log_softmax_topk
+
+        if k <= MAX_K:
+            return log_softmax_topk(logits, k)
+    logp = F.log_softmax(logits, dim=-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
+    return logp.topk(k, dim=-1)
 
 
 def _store(pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
@@ -1101,7 +1117,7 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
     root = slice(Fw - 1, Fw)
     a = _self_attend(drafter, qk[:, root, :H], keys[:, :, :W], values[:, :, :W], visible[:, :1])
     h = _block_tail(drafter, x[:, root], a, cos[:, root], sin[:, root], attend)
-    score, pick = _log_probs(head, h, plan)[:, 0].topk(plan.widths[0], dim=-1)
+    score, pick = (t[:, 0] for t in _row_top(head, h, plan.widths[0], plan))
     levels = [(score, drafter.to_target(pick), plan.first_parents.expand(B, -1))]
     ancestors = plan.ancestors(B)
     for level in range(2, D + 1):
@@ -1114,7 +1130,8 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
         mask = torch.cat([visible[:, level - 1 : level].expand(B, n, W), plan.tree_mask(ancestors, level)], dim=2)
         a = _self_attend(drafter, qk[:, :, :H], keys[:, :, : W + lo + n], values[:, :, : W + lo + n], mask)
         h = _block_tail(drafter, x, a, cos[:, at], sin[:, at], attend)
-        score, pick, row = best_children(levels[-1][0], _log_probs(head, h, plan), plan.widths[level - 1])
+        width = plan.widths[level - 1]
+        score, pick, row = best_of_rows(levels[-1][0], *_row_top(head, h, min(width, plan.vocab), plan), width)
         parent = row + lo
         if level < D:
             plan.add_ancestors(ancestors, parent, level)
