@@ -14,8 +14,8 @@ inputs on the scale it was trained for, at d parameters).
 
 **Why the memory is constant.** The self-attention keys and values of a token depend on nothing
 but its id and position (the block's input is the shared embedding), so the drafter's own KV is a
-ring of the last ``window`` tokens (:class:`WindowCache`), refilled from the token ids whenever
-the history grows. The cross-attention reads the target's last-layer K/V *in place*: the cache the
+ring of the last ``window`` tokens (:class:`WindowCache`; in an engine a row of a
+:class:`RingPool`), refilled from the token ids whenever the history grows. The cross-attention reads the target's last-layer K/V *in place*: the cache the
 target keeps anyway, and only its committed positions ``[0, L)`` (never a verify tree's slots, so
 a draft never sees in-flight KV). The queries carry RoPE at the drafter token's own position with
 the target's frequencies, which is why a checkpoint records and checks the target's RoPE settings.
@@ -33,7 +33,12 @@ much as its child and wins ties by coming first). Which nodes are drafted never 
 output: every committed token is drawn by the shared per-node walk (:mod:`.verify`).
 :func:`expand_batch` is the same beam for a batch of requests (an engine's step: one block
 forward per level for all of them), the cross-attention handed in by the engine, which reads the
-target's K/V where its cache keeps them; row b is what :func:`expand` builds for request b.
+target's K/V where its cache keeps them; row b is what :func:`expand` builds for request b. There
+the rings are rows of one :class:`RingPool`, the step's host input is one packed int64 row per
+request (:class:`BeamPlan`, which also holds every tensor that depends only on the beam's shape),
+and :func:`expand_rings` feeds the step's few new tokens into the rings and runs the beam with
+fixed shapes and no host reads, so an engine replays the whole step as one CUDA graph; only a
+longer feed (a request's first draft) goes through :func:`feed_rings` before it.
 
 **Reduced draft vocabulary.** Each beam level multiplies its rows by the whole LM head: for an 8B
 target (128K rows, 1 GB in bf16 at width 4096) that memory traffic alone is most of the draft's
