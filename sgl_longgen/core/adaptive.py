@@ -161,12 +161,13 @@ class StepCosts:
     to ``W`` nodes (adaptive widths).
     """
 
-    __slots__ = ("narrow", "plain", "spec")
+    __slots__ = ("estimated", "narrow", "plain", "spec")
 
     def __init__(self, decay: float | None = None):
         self.spec = RecentMedian()
         self.plain = RecentMedian()
         self.narrow: dict[int, RecentMedian] = {}
+        self.estimated = False  # the speculative cost holds a provisional sample (CostTable.get)
 
     def at(self, width: int | None) -> RecentMedian:
         """The costs of speculative steps at ``width`` (None: the full draft), to record into."""
@@ -200,7 +201,12 @@ class CostTable:
     """:class:`StepCosts` per (batch size, context length) bucket, for an engine serving batches.
 
     A bucket not yet measured has no plain cost, so the controllers first take a plain step
-    there: each bucket's table fills itself from the steps the engine runs anyway.
+    there: each bucket's table fills itself from the steps the engine runs anyway. Its
+    speculative cost is measured only by speculating, which a workload whose drafts do not pay
+    does rarely (probes); until then, once its plain cost is known, it is priced provisionally
+    at the speculative-to-plain ratio of the nearest shape measured (the same context first),
+    a sample that the bucket's own steps soon outvote. Without it a hint, or a batch whose
+    requests disagree, would speculate blind to price every new shape.
     """
 
     def __init__(self, decay: float):
@@ -212,7 +218,25 @@ class CostTable:
         costs = self._costs.get(key)
         if costs is None:
             costs = self._costs[key] = StepCosts(self.decay)
+        if costs.spec.value is None and costs.plain.value is not None and not costs.estimated:
+            ratio = self._nearest_ratio(key)
+            if ratio is not None:
+                costs.spec.add(costs.plain.value * ratio)
+                costs.estimated = True
         return costs
+
+    def _nearest_ratio(self, key: tuple[int, int]) -> float | None:
+        """Speculative over plain cost of the measured bucket nearest ``key`` (context first)."""
+        batch, context = key
+        best = None
+        for (b, c), other in self._costs.items():
+            spec, plain = other.spec.value, other.plain.value
+            if (b, c) == key or other.estimated or spec is None or not plain:
+                continue
+            distance = (abs((c.bit_length()) - context.bit_length()), abs(b - batch))
+            if best is None or distance < best[0]:
+                best = (distance, spec / plain)
+        return None if best is None else best[1]
 
     def items(self):
         """((batch bucket, context bucket), costs) for reports."""

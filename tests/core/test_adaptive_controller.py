@@ -338,3 +338,21 @@ def test_a_controller_without_a_prior_is_unchanged_by_other_requests():
     run(busy, 50, lambda i: 1, 2.0)
     alone = AdaptiveController(cfg)
     assert alone.warmup == cfg.warmup and alone.expected() is None and alone.decide() == SPECULATE
+
+
+def test_a_new_shape_is_priced_at_the_nearest_measured_shapes_ratio():
+    table = CostTable(0.9)
+    measured = table.get(1, 4096)
+    measured.spec.add(3.0)
+    measured.plain.add(1.0)
+    far = table.get(1, 65536)
+    far.spec.add(8.0)
+    far.plain.add(2.0)
+    fresh = table.get(4, 4096)
+    assert fresh.spec.value is None  # nothing to scale before its own plain cost is known
+    fresh.plain.add(2.0)
+    fresh = table.get(4, 4096)
+    assert fresh.estimated and fresh.spec.value == pytest.approx(6.0)  # the same context's ratio, 3x
+    fresh.spec.add(9.0)
+    fresh.spec.add(9.0)
+    assert fresh.spec.value == pytest.approx(9.0)  # its own steps outvote the provisional price

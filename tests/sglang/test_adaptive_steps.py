@@ -150,15 +150,20 @@ def test_a_new_request_starts_from_its_workloads_prior(clock):
 
 def test_a_new_batch_shape_is_not_priced_by_blind_speculation_where_drafts_commit_one_token(clock):
     """A batch of four new sampled requests, a shape never run: its plain cost is measured by a
-    plain step, and its speculative cost stays unknown, since drafts that commit one token cannot
-    pay whatever it is (a speculative step costs more than a plain one): no speculative step in
-    the batch's first steps, where it used to speculate to price the shape."""
+    plain step, and its speculative cost is never measured by speculating blind: drafts that
+    commit one token cannot pay whatever it is (a speculative step costs more than a plain one),
+    and the shape is priced provisionally at the single request's speculative-to-plain ratio.
+    No speculative step in the batch's first steps, where it used to speculate to price the
+    shape; and a hint that would pay against the ratio's price is taken."""
     planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
     run(planner, [Request("a")], {"steps": 100, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    one = planner.costs.get(1, 100)
+    assert one.spec.value == pytest.approx(3.0) and one.plain.value == pytest.approx(1.0)
     batch = [Request(r) for r in "bcde"]
-    kinds = run(planner, batch, {"steps": 20, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 3.0, PLAIN: 1.0}}, clock)
+    kinds = run(planner, batch, {"steps": 20, SPECULATE: 1, PLAIN: 1, "cost": {SPECULATE: 6.0, PLAIN: 2.0}}, clock)
     assert kinds == [PLAIN] * 20
-    assert planner.costs.get(4, 100).plain.value is not None and planner.costs.get(4, 100).spec.value is None
+    four = planner.costs.get(4, 100)
+    assert four.estimated and four.plain.value == pytest.approx(2.0) and four.spec.value == pytest.approx(6.0)
 
 
 def test_bad_overrides_are_refused_before_the_scheduler():
