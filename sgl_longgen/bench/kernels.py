@@ -64,10 +64,9 @@ def time_us(fn: Callable[[], object], rep_ms: int = 60) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=15, rep=rep_ms, return_mode="median")
 
 
-def time_graph_us(fn: Callable[[], object], reps: int = 50) -> Tuple[float, str]:
-    """Median replay time in microseconds of ``fn`` captured in a CUDA graph (what a captured
-    verify pays: the GPU's time without host launch gaps), and "graph"; where capture fails,
-    :func:`time_us` of the eager calls and "eager"."""
+def _graphed(fn: Callable[[], object]) -> Tuple[Callable[[], object], str]:
+    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream: (its replay,
+    "graph"), or (``fn``, "eager") where capture fails."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -78,21 +77,36 @@ def time_graph_us(fn: Callable[[], object], reps: int = 50) -> Tuple[float, str]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-    except Exception:  # pragma: no cover - a path that cannot be captured
+    except Exception:  # pragma: no cover - depends on the wrappers' capture support
         torch.cuda.synchronize()
-        return time_us(fn), "eager"
+        return fn, "eager"
+    return graph.replay, "graph"
+
+
+def _median_ms(run: Callable[[], object], reps: int) -> float:
+    """Median of ``reps`` CUDA-event timings of ``run`` (after three untimed calls)."""
     for _ in range(3):
-        graph.replay()
+        run()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        run()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2], "graph"
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def time_graph_us(fn: Callable[[], object], reps: int = 50) -> Tuple[float, str]:
+    """Median replay time in microseconds of ``fn`` captured in a CUDA graph (what a captured
+    verify pays: the GPU's time without host launch gaps), and "graph"; where capture fails,
+    :func:`time_us` of the eager calls and "eager"."""
+    run, mode = _graphed(fn)
+    if mode == "eager":
+        return time_us(fn), mode
+    return _median_ms(run, reps) * 1e3, mode
 
 
 def full_verify_mask(prefix_len: int, tree: torch.Tensor) -> torch.Tensor:
@@ -379,36 +393,11 @@ def time_step_ms(model, T, prefix_len, attn, device, profile_to: Optional[Path] 
     summary beside it (``.md``)."""
     x = torch.randn(T, model.hidden, dtype=DTYPE, device=device)
     out_loc = torch.arange(prefix_len, prefix_len + T, device=device)
-    step = lambda: model.forward(x, out_loc, attn)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    mode = "graph"
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        run = graph.replay
-    except Exception:  # pragma: no cover - depends on the wrappers' capture support
-        torch.cuda.synchronize()
-        mode, run = "eager", step
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    run, mode = _graphed(lambda: model.forward(x, out_loc, attn))
+    ms = _median_ms(run, 10)
     if profile_to is not None:
         profile_to.with_suffix(".md").write_text(markdown(profile(run, profile_to.with_suffix(".json"))))
-    return sorted(times)[len(times) // 2], mode
+    return ms, mode
 
 
 def step_table(contexts, trees, device, num_layers, rows: List[Dict], profile_dir: Optional[Path] = None) -> None:
