@@ -52,6 +52,7 @@ from pathlib import Path
 from ..sglang.engine import open_engine
 from .engine_bench import first_difference, top2_gap
 from ..sglang.host_profile import PROFILE_ENV, PROFILE_PARAM
+from .kernel_trace import profile
 from ..sglang.timing import STEPS_PARAM, TIMING_PARAM
 
 LLAMA_8B = dict(
@@ -280,7 +281,7 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, pro
                 beam = graphed(h, root, h, has)
                 out[f"{name}_ms"] = round(time_us(lambda: graphed(h, root, h, has)) / 1e3, 3)
                 if profile_dir is not None:
-                    _profile(lambda: graphed(h, root, h, has), profile_dir / f"owl-{width}x{draft_vocab}-{name}")
+                    profile(lambda: graphed(h, root, h, has), profile_dir / f"owl-{width}x{draft_vocab}-{name}")
                 out[f"{name}_token_agreement"] = round(float((beam.tokens == eager_beam.tokens).float().mean()), 3)
             except Exception as exc:  # report, do not lose the other numbers
                 out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -425,17 +426,9 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
                     row[f"{prefix}beam_{name}_ms"] = round(time_us(graph_step) / 1e3, 3)
                     row[f"{prefix}beam_{name}_used"] = graphed.enabled
                     if profile_to is not None and name == "graph":
-                        _profile(graph_step, profile_to)
+                        profile(graph_step, profile_to)
                 except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
                     row[f"{prefix}beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-
-
-def _profile(fn, path: Path) -> None:
-    """Per-kernel totals of ten calls of ``fn`` into ``path``.md (the trace beside it)."""
-    from .kernel_trace import markdown, profile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".md").write_text(markdown(profile(fn, path.with_suffix(".json")), top=40))
 
 
 def host_profile_summary(path: Path, top: int = 30) -> dict:

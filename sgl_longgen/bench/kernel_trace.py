@@ -90,10 +90,11 @@ def summarize(path: Path) -> dict:
             "runtime_calls": calls}
 
 
-def profile(fn, path: Path, steps: int = 10, warmup: int = 2) -> dict:
+def profile(fn, path: Path, steps: int = 10, warmup: int = 2, top: int = 40) -> dict:
     """:func:`summarize` of ``steps`` calls of ``fn`` (after ``warmup`` untraced ones) under torch's
-    profiler, its trace written to ``path``; ``"calls"`` in the summary is ``steps``, so totals
-    divide into per-call figures even where ``fn`` launches no graph."""
+    profiler: the trace at ``path`` (``.json``), its :func:`markdown` beside it (``.md``, ``top``
+    kernels). ``"calls"`` in the summary is ``steps``, so totals divide into per-call figures even
+    where ``fn`` launches no graph."""
     import torch
 
     for _ in range(warmup):
@@ -105,9 +106,11 @@ def profile(fn, path: Path, steps: int = 10, warmup: int = 2) -> dict:
             fn()
         torch.cuda.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
-    summary = summarize(path)
+    trace = path.with_suffix(".json")
+    prof.export_chrome_trace(str(trace))
+    summary = summarize(trace)
     summary["calls"] = steps
+    path.with_suffix(".md").write_text(markdown(summary, top))
     return summary
 
 

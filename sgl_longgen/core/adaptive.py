@@ -233,7 +233,7 @@ class CostTable:
             spec, plain = other.spec.value, other.plain.value
             if (b, c) == key or other.estimated or spec is None or not plain:
                 continue
-            distance = (abs((c.bit_length()) - context.bit_length()), abs(b - batch))
+            distance = (abs(c.bit_length() - context.bit_length()), abs(b - batch))
             if best is None or distance < best[0]:
                 best = (distance, spec / plain)
         return None if best is None else best[1]
@@ -243,32 +243,58 @@ class CostTable:
         return sorted(self._costs.items())
 
 
-class WorkloadPrior:
-    """What the recent requests of one workload learned, for the next request to start from.
+class Evidence:
+    """What speculative steps committed, decayed: tokens per step (per draft width too, where
+    widths are configured) and the method hints' calibration (draft tokens accepted and hinted
+    over the steps that had a hint). A request's controller keeps one, decayed per step of
+    either kind; a :class:`WorkloadPrior` keeps one over its requests' speculative steps."""
 
-    Fed by every speculative step of the controllers made with it (decayed per such step, so it
-    follows the workload's last tens of steps, whichever requests took them): tokens committed per
-    step (per draft width too, where widths are configured), the hints' calibration, and the
-    probe interval the last probe left. :meth:`AdaptiveController.__init__` seeds a new request from
-    it once it holds any step.
-    """
+    __slots__ = ("at_width", "committed", "hint_accepted", "hint_given")
 
     def __init__(self, decay: float, widths: Sequence[int] = ()):
-        self.committed = DecayedMean(decay)
+        self.committed = DecayedMean(decay)  # tokens per speculative step (the bonus included)
         self.at_width: dict[int | None, DecayedMean] = (
             {w: DecayedMean(decay) for w in [*widths, None]} if widths else {})
         self.hint_accepted = DecayedMean(decay)
         self.hint_given = DecayedMean(decay)
+
+    def tick(self) -> None:
+        for mean in (self.committed, self.hint_accepted, self.hint_given, *self.at_width.values()):
+            mean.tick()
+
+    def record(self, committed: int, hint: float | None) -> None:
+        """A speculative step committed ``committed`` tokens, decided with the method's ``hint``."""
+        self.committed.add(committed)
+        if hint is not None and hint > 0:
+            self.hint_accepted.add(max(0, committed - 1))
+            self.hint_given.add(hint)
+
+    def record_width(self, width: int | None, committed: int) -> None:
+        """What a step at ``width`` committed (or would have: a wider step's counterfactual)."""
+        mean = self.at_width.get(width)
+        if mean is not None:
+            mean.add(committed)
+
+
+class WorkloadPrior(Evidence):
+    """What the recent requests of one workload learned, for the next request to start from.
+
+    Fed by every speculative step of the controllers made with it (decayed per such step, so it
+    follows the workload's last tens of steps, whichever requests took them), plus the probe
+    interval the last probe left. :meth:`AdaptiveController.__init__` seeds a new request from it
+    once it holds any step.
+    """
+
+    __slots__ = ("interval",)
+
+    def __init__(self, decay: float, widths: Sequence[int] = ()):
+        super().__init__(decay, widths)
         self.interval: int | None = None
 
     @property
     def known(self) -> bool:
         """Some request's speculative step has been seen."""
         return self.committed.value is not None
-
-    def _tick(self) -> None:
-        for mean in (self.committed, self.hint_accepted, self.hint_given, *self.at_width.values()):
-            mean.tick()
 
 
 class AdaptiveController:
@@ -294,7 +320,11 @@ class AdaptiveController:
         self.config = config
         self.prior = prior
         self.warmup = config.warmup  # speculative steps before the first decision (none with a prior)
-        self.committed = DecayedMean(config.decay)  # tokens per speculative step (the bonus included)
+        # Adaptive widths: the candidates narrower than the full draft (None), ascending.
+        self.widths: list[int] = list(config.widths)
+        self.own = Evidence(config.decay, self.widths)  # this request's, decayed per step of either kind
+        self._fed = (self.own,) if prior is None else (self.own, prior)  # what a speculative step feeds
+        self.committed, self.at_width = self.own.committed, self.own.at_width
         self.by_source: dict[str, DecayedMean] = {}
         self.costs = costs if costs is not None else StepCosts(config.decay)
         self.spec_steps = 0
@@ -304,17 +334,10 @@ class AdaptiveController:
         self.since_spec = 0  # plain steps since the last speculative step
         self.since_plain = 0  # speculative steps since the last plain step
         self._probing = False
-        # Adaptive widths: the candidates narrower than the full draft (None), ascending.
-        self.widths: list[int] = list(config.widths)
-        self.at_width: dict[int | None, DecayedMean] = (
-            {w: DecayedMean(config.decay) for w in [*self.widths, None]} if self.widths else {})
         self.width_steps: dict[int | None, int] = {}  # speculative steps taken at each width
         self.width: int | None = None  # the width the last decide() chose
         self.since_full = 0  # speculative steps since the last one over the full draft
         self._forced = False  # the last decide()'s width was not a free choice (warm-up, probe, ...)
-        # Method hints: draft tokens accepted and hinted over the speculative steps that had a hint.
-        self.hint_accepted = DecayedMean(config.decay)
-        self.hint_given = DecayedMean(config.decay)
         self.hinted_steps = 0  # speculative steps taken on a hint alone
         self.hint_cost = RecentMedian()  # seconds the runtime took for a hint
         self.hints = 0  # hints the runtime computed
@@ -368,15 +391,13 @@ class AdaptiveController:
 
     def hint_scale(self) -> float:
         """Draft tokens accepted per hinted token over the past steps that had a hint, with one
-        token of prior on both sides (1: none yet). With a workload prior its hinted steps count
-        too: they decay per speculative step only, so what the workload's hints delivered is not
+        token of prior on both sides (1: none yet). With a workload prior, the workload's: its
+        hinted steps decay per speculative step only, so what the workload's hints delivered is not
         forgotten over a request's plain stretch (where this request's own evidence fades within
-        tens of steps and a score that keeps failing would be believed again)."""
-        accepted, given = self.hint_accepted.total, self.hint_given.total
-        if self.prior is not None:
-            accepted += self.prior.hint_accepted.total
-            given += self.prior.hint_given.total
-        return (accepted + HINT_PRIOR) / (given + HINT_PRIOR)
+        tens of steps and a score that keeps failing would be believed again): the workload's
+        calibration, which holds this request's hinted steps too, is the one read."""
+        evidence = self.prior if self.prior is not None else self.own
+        return (evidence.hint_accepted.total + HINT_PRIOR) / (evidence.hint_given.total + HINT_PRIOR)
 
     def expected_from_hint(self, hint: float | None) -> float | None:
         """Tokens a speculative step is expected to commit by the method's ``hint`` (None: no hint)."""
@@ -545,14 +566,10 @@ class AdaptiveController:
         if hinted is None:
             hinted = self._hinted
         self._tick()
-        prior = self.prior
-        if prior is not None:
-            prior._tick()
-        for owner in (self, prior) if prior is not None else (self,):
-            owner.committed.add(committed)
-            if hint is not None and hint > 0:
-                owner.hint_accepted.add(max(0, committed - 1))
-                owner.hint_given.add(hint)
+        if self.prior is not None:
+            self.prior.tick()
+        for evidence in self._fed:
+            evidence.record(committed, hint)
         if hinted:
             self.hinted_steps += 1
             self._hinted = False
@@ -575,8 +592,8 @@ class AdaptiveController:
                 self.interval = cfg.probe_every
             else:
                 self.interval = min(cfg.probe_max, max(self.interval, round(self.interval * cfg.probe_growth)))
-            if prior is not None:
-                prior.interval = self.interval
+            if self.prior is not None:
+                self.prior.interval = self.interval
             self._probing = False
 
     def _record_width(self, committed: int, width: int | None, nodes: Sequence[int] | None) -> None:
@@ -584,31 +601,19 @@ class AdaptiveController:
         cut of the trie would have committed (the accepted nodes before the cut, the bonus)."""
         self.width_steps[width] = self.width_steps.get(width, 0) + 1
         self.since_full = 0 if width is None else self.since_full + 1
-        if nodes is None:
-            self._width_sample(width, committed)
-            return
-        if width is None:
-            self._width_sample(None, committed)
-        for w in self.widths:
-            if width is None or w <= width:
-                self._width_sample(w, sum(1 for n in nodes if n < w))  # the root (0) is the bonus's slot
-
-    def _width_sample(self, width: int | None, committed: int) -> None:
-        """What a step at ``width`` commits (or would have), here and in the workload's prior."""
-        for at_width in (self.at_width, self.prior.at_width if self.prior is not None else {}):
-            mean = at_width.get(width)
-            if mean is not None:
-                mean.add(committed)
+        samples = [(width, committed)] if nodes is None else (
+            ([(None, committed)] if width is None else [])
+            + [(w, sum(1 for n in nodes if n < w))  # the root (0) is the bonus's slot
+               for w in self.widths if width is None or w <= width])
+        for evidence in self._fed:
+            for w, n in samples:
+                evidence.record_width(w, n)
 
     def _tick(self) -> None:
         """One more step (of either kind): older acceptance evidence weighs less."""
-        self.committed.tick()
+        self.own.tick()
         for mean in self.by_source.values():
             mean.tick()
-        for mean in self.at_width.values():
-            mean.tick()
-        self.hint_accepted.tick()
-        self.hint_given.tick()
 
     def record_plain(self, seconds: float | None = None) -> None:
         """A plain step (one token) took ``seconds`` (None: recorded by the engine)."""

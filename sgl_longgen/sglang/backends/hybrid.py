@@ -62,6 +62,7 @@ import torch
 
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend, PrefillMetadata
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel
 
 from ... import env
@@ -182,8 +183,6 @@ def fa3_prefill_backend(model_runner, disabled: Optional[str]):
 
 def _plain_prefill(forward_batch) -> bool:
     """A prefill chunk of prompts alone (no draft or verify input, no decode mixed in)."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     return forward_batch.forward_mode == ForwardMode.EXTEND and forward_batch.spec_info is None
 
 
