@@ -112,6 +112,9 @@ GPU_SYMBOLS: tuple[Need, ...] = (
 # the folded prefix path shares the wrapper's integer workspace.
 GPU_MEMBERS: dict[str, tuple[str, ...]] = {
     "flashinfer.BatchDecodeWithPagedKVCacheWrapper": ("_plan_info", "_paged_kv_indices_buf", "_int_workspace_buffer"),
+    # The longgen backend hands plain prefills to SGLang's FA3 backend: planned, then run per layer.
+    "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend": ("init_forward_metadata",
+                                                                                 "forward_extend"),
 }
 
 # -- hook targets ---------------------------------------------------------------------------------
@@ -195,6 +198,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "decode_wrapper": ("_plan_info", "_paged_kv_indices_buf"),
     # Adaptive speculation's plain steps: a width-1 graph runner installed for their forwards.
     "plain_graphs": ("decode_cuda_graph_runner", "attn_backend"),
+    # The longgen backend's choice of FA3 for plain prefills (SGLang's FA3 backend reads a page size of 1).
+    "prefill_runner": ("page_size", "dtype", "device", "model_config"),
     # LONGSPEC: the target's settings its drafter must share; the KV pool its cross-attention reads.
     "model_config": ("hf_text_config", "vocab_size", "context_len"),
     "kv_pool": ("get_kv_buffer", "dtype"),

@@ -171,8 +171,11 @@ def fa3_prefill_backend(model_runner, disabled: Optional[str]):
     choice = env.get("PREFILL_BACKEND", "auto")
     if choice not in PREFILL_BACKENDS:
         raise ValueError(f"{env.name('PREFILL_BACKEND')} must be one of {', '.join(PREFILL_BACKENDS)}, got {choice!r}")
+    if choice != "auto" or disabled is not None:
+        return None
+    compat.require_fields("prefill_runner", model_runner)
     cfg = model_runner.model_config
-    if choice != "auto" or disabled is not None or model_runner.page_size != 1:
+    if model_runner.page_size != 1:
         return None
     if not fa3_supported(cfg.head_dim, model_runner.dtype, model_runner.dtype, torch.device(model_runner.device)):
         return None
