@@ -78,7 +78,9 @@ for its partial KV). An engine keeps what its recent requests of one kind learne
 sampled apart: their acceptance differs most): the decayed acceptance over their speculative
 steps, the calibration of the method's hints and the probe interval. A request that starts with
 such a prior takes it as one step's evidence instead of a warm-up, and starts probing at the
-workload's interval; its own steps soon outweigh it. Lossless for the reason the rest is: the
+workload's interval; its own steps soon outweigh it. Its first probe is priced at what a
+request's first draft costs (:meth:`AdaptiveController.probe_cost`: the method's set-up comes
+with it), so the interval keeps that probe to its share of the time too. Lossless for the reason the rest is: the
 other requests' steps are past steps, drawn with randomness of their own, so they carry nothing
 of the token this request draws next.
 
@@ -158,14 +160,18 @@ class StepCosts:
     """Measured seconds of a speculative and of a plain step of one shape (recent medians).
 
     ``spec`` prices a speculative step over the full draft; ``narrow[W]`` one over the draft cut
-    to ``W`` nodes (adaptive widths).
+    to ``W`` nodes (adaptive widths). ``first`` prices a step in which a request drafts for the
+    first time: its method sets itself up there (TokenSwift scores the whole context for its
+    partial KV: several speculative steps' worth at 4K, dozens at 98K), so that step is not a
+    sample of ``spec`` but the price of a new request's first probe (:meth:`AdaptiveController.probe_cost`).
     """
 
-    __slots__ = ("estimated", "narrow", "plain", "spec")
+    __slots__ = ("estimated", "first", "narrow", "plain", "spec")
 
     def __init__(self, decay: float | None = None):
         self.spec = RecentMedian()
         self.plain = RecentMedian()
+        self.first = RecentMedian()
         self.narrow: dict[int, RecentMedian] = {}
         self.estimated = False  # the speculative cost holds a provisional sample (CostTable.get)
 
@@ -521,8 +527,7 @@ class AdaptiveController:
             self._hinted = True
             self._forced = bool(self.widths)  # the hint is the whole draft's
             return SPECULATE
-        spec = costs.spec.value if costs.spec.value is not None else costs.plain.value
-        if self.since_spec * costs.plain.value >= self.interval * spec:
+        if self.since_spec * costs.plain.value >= self.interval * self.probe_cost(costs):
             self._probing = True
             self._forced = bool(self.widths)
             return SPECULATE
@@ -541,9 +546,20 @@ class AdaptiveController:
         plain = costs.plain.value
         if self.spec_steps < self.warmup or plain is None or plain <= 0 or self.worth(costs):
             return 1
-        spec = costs.spec.value if costs.spec.value is not None else plain
-        due = self.interval * spec / plain - self.since_spec  # decide() probes once this is <= 0
+        due = self.interval * self.probe_cost(costs) / plain - self.since_spec  # decide() probes once <= 0
         return max(1, math.ceil(due))
+
+    def probe_cost(self, costs: StepCosts | None = None) -> float:
+        """What this request's next probe costs: a speculative step (a plain one while that is
+        unmeasured), or, before this request's first draft, what a first draft's step costs where
+        that is measured (its method's set-up comes with it). The interval is counted in these, so
+        probing keeps to its share of the time where a first draft is dear, and a workload whose
+        drafts do not pay does not set every new request's method up soon after it starts."""
+        costs = costs or self.costs
+        spec = costs.spec.value if costs.spec.value is not None else costs.plain.value
+        if self.spec_steps == 0 and costs.first.value is not None:
+            spec = max(spec or 0.0, costs.first.value)
+        return spec
 
     # -- what the step did ---------------------------------------------------------------------
 

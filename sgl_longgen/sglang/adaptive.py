@@ -9,7 +9,9 @@ what differs in a serving engine:
   own time between steps counts for both kinds alike. A prefill in between drops the sample, and
   so does a speculative step in which a request takes one of its first ``SETTLE`` (its first
   drafts set up its method: TOKENSWIFT scores the whole context to select its partial KV, half
-  a second at 98K on an H100, once per request and selection, not the price of a step).
+  a second at 98K on an H100, once per request and selection, not the price of a step). The
+  cycle of a step in which a request drafts for the first time is kept apart instead
+  (``StepCosts.first``): the price of a new request's first probe.
 * **One kind per step.** :func:`~sgl_longgen.core.adaptive.decide_batch` combines the requests'
   controllers, each with its method's hint (the drafter's ``hint``: HOWL's suffix chain score,
   TOKENSWIFT's continuation score, from the committed tokens alone).
@@ -98,6 +100,7 @@ class _Step:
     costs: StepCosts | None = None
     started: float = 0.0
     priced: bool = True  # its cycle is a sample of its shape's cost
+    first: bool = False  # a request drafted for the first time in it (its cycle prices a first draft)
     tokens: int = 1  # plain steps it ran (a plain run's cycle is priced per step)
 
 
@@ -131,8 +134,8 @@ class AdaptiveSteps:
         """The kind of the step about to run; records the last step's cycle time."""
         now = time.perf_counter()
         last = self._current
-        if last is not None and last.costs is not None and last.priced:
-            ema = last.costs.spec if last.kind == SPECULATE else last.costs.plain
+        if last is not None and last.costs is not None and (last.priced or last.first):
+            ema = (last.costs.first if last.first else last.costs.spec) if last.kind == SPECULATE else last.costs.plain
             seconds = (now - last.started) / (1 if last.kind == SPECULATE else last.tokens)
             if ema.value is None or seconds <= OUTLIER * ema.value:
                 ema.add(seconds)
@@ -235,6 +238,7 @@ class AdaptiveSteps:
         reports = []
         if kind == SPECULATE and self._current is not None:
             self._current.priced = all(self.state(s).spec_steps >= SETTLE or s.blocker is not None for s in steps)
+            self._current.first = any(self.state(s).spec_steps == 0 and s.blocker is None for s in steps)
         if kind != SPECULATE and self._current is not None:
             self._current.tokens = max(counts, default=1)
         for s, n in zip(steps, counts):

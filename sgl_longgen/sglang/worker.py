@@ -64,10 +64,10 @@ logger = logging.getLogger(__name__)
 FAULT_ENV = env.name("INJECT_DRAFT_FAULT")
 DRAFTING_FAILED = "drafting failed"
 # Plain steps queued back to back in one call (at most the verify width: a step's KV window).
-# The scheduler's and the host's time per call (1-3 ms) is spread over this many tokens. A run
-# doubles with each consecutive plain call from one step: a plain step that only measures (or
-# refreshes) the plain cost between speculative steps stays one token, a stretch where nothing
-# pays soon runs PLAIN_RUN at a time (and goes on at that length after a probe that did not pay).
+# The scheduler's and the host's time per call (1-3 ms) is spread over this many tokens. A plain
+# step that only measures (or refreshes) the plain cost between speculative steps stays one token
+# (its controllers allow one: AdaptiveSteps.plain_run_limit); a stretch where nothing pays runs
+# PLAIN_RUN at a time from its first call, up to the next due probe.
 PLAIN_RUN = 32
 
 
@@ -123,7 +123,6 @@ class SpecWorker(BaseSpecWorker):
         self.adaptive = AdaptiveSteps(server_config(self.drafter.defaults.adaptive), self._hint)
         self.host_profile = HostProfile.from_env()
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
-        self._plain_calls = 0  # consecutive plain calls so far (a plain run's length grows with them)
 
     # -- SGLang's worker contract -----------------------------------------------------------------
 
@@ -201,10 +200,6 @@ class SpecWorker(BaseSpecWorker):
         clock.section("setup")
 
         run = 1 if speculate else self._plain_run_length(batch, steps)
-        if not speculate:
-            self._plain_calls += 1
-        elif not self.adaptive.probing():  # a probe inside a plain stretch does not restart its runs
-            self._plain_calls = 0
         if run > 1:
             return self._plain_run(batch, steps, run, on_publish)
         if speculate:
@@ -263,13 +258,13 @@ class SpecWorker(BaseSpecWorker):
     def _plain_run_length(self, batch, steps: list[StepRequest]) -> int:
         """Plain steps this call may queue back to back: 1 where a token needs the host before the
         next one is drawn (our contextual penalty's window, SGLang's own processing of a blocked
-        request, logprobs or hidden states returned per token), else 2**(consecutive plain calls
-        before this one), at most :data:`PLAIN_RUN`, the verify width, every request's
-        remaining budget and the plain steps its controller allows before its next probe."""
+        request, logprobs or hidden states returned per token), else :data:`PLAIN_RUN`, at most
+        the verify width, every request's remaining budget and the plain steps its controller
+        allows before its next probe (one where a plain step only measures or refreshes the plain
+        cost)."""
         if batch.return_logprob:
             return 1
-        run = min(PLAIN_RUN, self.num_nodes, 1 << min(self._plain_calls, PLAIN_RUN.bit_length()),
-                  self.adaptive.plain_run_limit(steps))
+        run = min(PLAIN_RUN, self.num_nodes, self.adaptive.plain_run_limit(steps))
         for step in steps:
             req = step.req
             if step.blocker not in (None, SPECULATION_OFF) or step.sampling.penalty_active:

@@ -166,6 +166,43 @@ def test_a_new_batch_shape_is_not_priced_by_blind_speculation_where_drafts_commi
     assert four.estimated and four.plain.value == pytest.approx(2.0) and four.spec.value == pytest.approx(6.0)
 
 
+def first_probe_of_a_new_request(clock, first_cost: float) -> tuple[int, AdaptiveSteps]:
+    """A losing sampled workload whose first draft per request costs ``first_cost`` (its method's
+    set-up) where its later speculative steps cost 3 and plain ones 1; returns the step at which
+    the next request, seeded from the workload, first speculates (its first probe)."""
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
+    cost = {SPECULATE: 3.0, PLAIN: 1.0}
+
+    def go(req: Request, n: int) -> list[str]:
+        kinds = []
+        for _ in range(n):
+            steps = [req.step()]
+            kind = planner.begin(steps)
+            first = kind == SPECULATE and planner.state(steps[0]).spec_steps == 0
+            planner.plan(steps, 64)
+            planner.record(steps, [1], kind)
+            clock.now += first_cost if first else cost[kind]
+            kinds.append(kind)
+        return kinds
+
+    go(Request("a"), 300)
+    later = go(Request("b"), 8000)
+    return (later.index(SPECULATE) if SPECULATE in later else len(later)), planner
+
+
+def test_a_new_requests_first_probe_is_priced_with_its_methods_set_up(clock):
+    """A request's first draft sets its method up (TokenSwift scores the whole context): that
+    step's cycle is kept apart from the speculative steps' price, and a new request's first probe
+    is priced at it, so where the set-up costs 8x a speculative step the first probe comes about
+    8x later (probing keeps to its share of the time) instead of setting up every new request of a
+    workload whose drafts do not pay."""
+    cheap, planner = first_probe_of_a_new_request(clock, 3.0)
+    dear, planner = first_probe_of_a_new_request(clock, 24.0)
+    costs = planner.costs.get(1, 100)
+    assert costs.first.value == pytest.approx(24.0) and costs.spec.value == pytest.approx(3.0)
+    assert 0 < cheap < 8000 and dear >= 6 * cheap
+
+
 def test_bad_overrides_are_refused_before_the_scheduler():
     check_custom_params({"custom_params": {"longgen_speculation": "auto"}})
     check_custom_params([{"max_new_tokens": 3}, None])
