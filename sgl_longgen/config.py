@@ -19,6 +19,9 @@ from .errors import LonggenError
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+# A drafter's matrices: "bf16" in the engine's dtype (bf16 on a GPU engine; the reference runtime's
+# float64), "fp8" as e4m3 with one scale per row (sgl_longgen.core.fp8).
+DrafterWeights = Literal["bf16", "fp8"]
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -137,7 +140,11 @@ class OwlConfig(Strict):
     kernels, six launches per level), ``compiled`` (``torch.compile`` of the PyTorch beam: a
     slower start) or ``torch``. CPU runs and the reference runtime use the PyTorch beam. The
     variants round differently in their last bits, so their trees can differ slightly; each is
-    verified exactly.
+    verified exactly. ``weights``: ``"fp8"`` stores the drafter's LSTM projections and draft head
+    as e4m3 with one scale per row, quantized once at load (:mod:`sgl_longgen.core.fp8`: half the
+    bytes its weight-bound steps read; fp8 GEMMs on CUDA devices of compute capability 8.9 and up,
+    a dequantizing twin elsewhere); ``"bf16"`` keeps them in the engine's dtype. Either way only
+    the drafts change, never the output.
     """
 
     top_k: Annotated[int, Meta(ge=1, le=64)] = 10
@@ -146,6 +153,7 @@ class OwlConfig(Strict):
     spec: bool = True
     prefill_spec: bool = True
     beam: Literal["fused", "compiled", "torch"] = "fused"
+    weights: DrafterWeights = "bf16"
 
 
 class LongSpecConfig(Strict):
@@ -157,11 +165,15 @@ class LongSpecConfig(Strict):
     below level i - 1 by cumulative drafter log-probability. ``tree_size``: draft nodes verified
     (the root excluded), the best of the pool by the same score, closed under ancestors; the
     default keeps 63 of the 68, a verify forward of 64 rows. The window size is the checkpoint's
-    (``longspec.json``): it fixes the drafter's memory per request.
+    (``longspec.json``): it fixes the drafter's memory per request. ``weights``: ``"fp8"`` stores
+    the block's projections, its MLP and its head as e4m3 with one scale per row, quantized once at
+    load (see :class:`OwlConfig`); the head (the target's LM head, or its rows at the token map)
+    becomes an fp8 copy the drafter owns, beside the target's own. ``"bf16"``: the engine's dtype.
     """
 
     widths: list[Annotated[int, Meta(ge=1, le=1024)]] = msgspec.field(default_factory=lambda: [4, 16, 16, 16, 16])
     tree_size: Annotated[int, Meta(ge=1, le=1024)] = 63
+    weights: DrafterWeights = "bf16"
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.widths) <= 64:

@@ -1,0 +1,181 @@
+"""FP8 (e4m3) drafter matrices: half the bytes a weight-bound drafter reads per beam level.
+
+On an H100 the OWL and LongSpec drafters spend most of a draft reading their matrices: every
+beam level multiplies at most a few dozen rows by them, GEMMs that run at the memory-bandwidth
+floor. Stored as e4m3 values with one float32 scale per output row (``scale = row amax / 448``),
+a matrix is half the bytes of bf16, and so, roughly, is that time.
+
+Lossless by construction: the drafter only proposes. Every committed token is drawn from the
+target by the verifier's per-node walk (:mod:`.verify`), so the rounding changes which tokens
+are proposed (acceptance), never the output or its distribution.
+
+:class:`Fp8Linear` holds one quantized matrix and computes ``x @ W.T``. Where cuBLAS has fp8
+GEMMs (CUDA, compute capability 8.9 and up: Ada, Hopper) that is ``torch._scaled_mm`` with
+row-wise scales, each activation row quantized on the fly with a scale of its own: fixed shapes
+and no host reads, so it is captured in the drafters' CUDA graphs. Everywhere else (CPU, older
+GPUs, shapes the GEMM refuses) its twin dequantizes the matrix and multiplies in the activation's
+dtype; the twin is the reference the fp8 GEMM is tested against. (torch's ``_scaled_mm`` on a CPU
+takes only per-tensor scales, which would lose the per-row precision: the twin serves there.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn value; beyond it a cast gives NaN, so values are clamped
+ALIGN = 16  # _scaled_mm needs K and N multiples of this; rows are padded to it
+CHUNK_ROWS = 4096  # rows quantized at once: bounds the float32 transient of a 128K-row head
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
+
+
+def quantize(weight: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: e4m3 ``[N, K]`` and float32 ``[N]`` with ``weight ~= q * scale[:, None]``.
+
+    ``rows``: quantize only those rows of ``weight`` (gathered a chunk at a time, so a reduced
+    head never exists as a second full-precision copy). An all-zero row gets scale 1.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"an fp8 matrix is 2-D, got shape {tuple(weight.shape)}")
+    n = weight.shape[0] if rows is None else rows.numel()
+    if rows is not None:
+        rows = rows.to(weight.device)
+    q = torch.empty(n, weight.shape[1], dtype=E4M3, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    with torch.no_grad():
+        for lo in range(0, n, CHUNK_ROWS):
+            hi = min(n, lo + CHUNK_ROWS)
+            block = weight[lo:hi] if rows is None else weight.index_select(0, rows[lo:hi])
+            q[lo:hi], scale[lo:hi] = _quantize_rows(block.float())
+    return q, scale
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 rows -> their e4m3 values and one scale each (a row's largest magnitude maps to 448)."""
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The matrix the twin multiplies by: ``q * scale`` per row, computed in float32."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def reference_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The twin: ``x @ dequantize(q, scale).T`` in ``x``'s dtype."""
+    return F.linear(x, dequantize(q, scale, x.dtype))
+
+
+def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` through cuBLAS's fp8 GEMM (CUDA only): each row of ``x`` quantized to e4m3 with
+    its own scale, both scales applied by the GEMM, the result in bf16 (then ``x``'s dtype).
+
+    Rows are padded with zeros to a multiple of 16 (torch builds differ on whether other row
+    counts are taken; a drafter's few rows cost the same either way) and sliced back. Every
+    shape follows from ``x``'s and nothing is read back: CUDA-graph safe.
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    pad = -m % ALIGN
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
+    xq, x_scale = _quantize_rows(rows.float())
+    out = torch._scaled_mm(xq.contiguous(), q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :],
+                           out_dtype=torch.bfloat16)
+    return out[:m].to(x.dtype).view(*lead, q.shape[0])
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """cuBLAS has fp8 GEMMs on this device (CUDA, compute capability >= 8.9)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap >= (8, 9)
+
+
+def uses_scaled_mm(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` takes the fp8 GEMM for these operands (else the twin)."""
+    return (x.is_cuda and q.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and q.shape[0] % ALIGN == 0 and q.shape[1] % ALIGN == 0 and scaled_mm_supported(x.device))
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for ``W = q * scale`` (per row): the fp8 GEMM where it runs, else the twin."""
+    if uses_scaled_mm(x, q):
+        return scaled_mm_linear(x, q, scale)
+    return reference_linear(x, q, scale)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free ``nn.Linear`` whose matrix is e4m3 (``weight``, ``[out, in]``) with one float32
+    scale per output row (``scale``), for a drafter's matrices (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        if weight.dtype != E4M3 or scale.dtype != torch.float32 or scale.shape != weight.shape[:1]:
+            raise ValueError(f"an Fp8Linear takes an e4m3 [out, in] matrix and float32 [out] scales, got "
+                             f"{weight.dtype} {tuple(weight.shape)} and {scale.dtype} {tuple(scale.shape)}")
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, rows: torch.Tensor | None = None) -> Fp8Linear:
+        """The layer of ``weight`` (or of its ``rows``), quantized; ``weight`` itself is left as it is."""
+        return cls(*quantize(weight.detach(), rows))
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.weight, self.scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.scale)
+
+    def _apply(self, fn, recurse=True):
+        """Device moves only: a drafter-wide ``.to(dtype)`` or ``.double()`` must not turn the e4m3
+        values into plain numbers of another dtype (without their scales they mean nothing)."""
+        device = fn(torch.empty(0, device=self.weight.device)).device
+        if device != self.weight.device:
+            self.weight = self.weight.to(device)
+            self.scale = self.scale.to(device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 with row scales"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Linear) -> torch.Tensor:
+    """``x @ W.T`` for a plain matrix (``F.linear``, the kernel as ever) or a quantized one."""
+    return weight(x) if isinstance(weight, Fp8Linear) else F.linear(x, weight)
+
+
+def quantize_linears(module: nn.Module, names: Iterable[str]) -> None:
+    """Replace the named bias-free ``nn.Linear`` submodules (dotted paths) of ``module`` by their
+    :class:`Fp8Linear`, in place. Only the fp8 copy is kept: the full-precision matrices go with
+    the layers they belonged to (unless something else still holds them). Layers already
+    quantized are left as they are."""
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        layer = getattr(parent, leaf)
+        if isinstance(layer, Fp8Linear):
+            continue
+        if not isinstance(layer, nn.Linear) or layer.bias is not None:
+            raise TypeError(f"{name} is not a bias-free nn.Linear ({type(layer).__name__})")
+        setattr(parent, leaf, Fp8Linear.quantize(layer.weight))
