@@ -5,10 +5,10 @@ and activations, a log-softmax and top-k per level, the frontier's bookkeeping, 
 selection). At batch 1 on an 8B-sized drafter that is launch-bound: even as one CUDA graph the
 beam cost 1.5-2.7 ms, while its weights take ~0.25 ms to read. Here each level is
 
-1. ``pre = proj(state)`` (cuBLAS),
+1. ``pre = proj(state)`` (cuBLAS; with ``weights = "fp8"`` the fp8 GEMM of :mod:`sgl_longgen.core.fp8`),
 2. :func:`_lstm_cell_kernel`: token embedding, gates, both norms and GELUs, one program per row;
    a row reads its parent's projection and cell through an index, so the frontier is never copied,
-3. ``logits = head(state)`` (cuBLAS, the same call as the eager beam),
+3. ``logits = head(state)`` (the same call as the eager beam),
 4. :func:`_chunk_topk_kernel`: per (row, vocabulary chunk) the chunk's max, sum of exponentials
    and its top ``K`` logits,
 5. :func:`_row_merge_kernel`: per row the log-sum-exp and top ``K`` over the chunks, written to
@@ -26,7 +26,6 @@ verified, never the output.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -274,7 +273,7 @@ def fused_expand(
 
     Scores accumulate in fp32 whatever the drafter's dtype (the engines run bf16/fp16/fp32).
     """
-    w = drafter.head.weight
+    w = drafter.embedding.weight  # the drafter's device and dtype (its matrices may be fp8)
     dev, dt = w.device, w.dtype
     h_last = h_last.to(device=dev, dtype=dt).contiguous()
     B, d0 = h_last.shape
@@ -301,7 +300,7 @@ def fused_expand(
     block = _pow2(d)
     cell_args = (drafter.embedding.weight, float(drafter.alpha))
     norms = (drafter.cell_norm.weight, drafter.cell_norm.bias, drafter.state_norm.weight, drafter.state_norm.bias)
-    pre = F.linear(x, drafter.proj0.weight)
+    pre = drafter.proj0(x)
     state = torch.empty(B, d, device=dev, dtype=dt)
     cell = torch.empty(B, d, device=dev, dtype=dt)
     rows = torch.arange(B, device=dev)
@@ -328,7 +327,7 @@ def fused_expand(
     for level in range(1, depth + 1):
         per_req = 1 if level == 1 else K  # frontier rows of each request at this level
         R = B * per_req
-        logits = F.linear(state, w)  # [R, V], the eager beam's head call
+        logits = drafter.head(state)  # [R, V], the eager beam's head call
         _chunk_topk_kernel[(R, n_chunks)](logits, V, part_max, part_sum, part_val, part_idx, n_chunks,
                                           K=K, KP=KP, CHUNK=chunk, num_warps=_warps(chunk))
         _row_merge_kernel[(R,)](part_max, part_sum, part_val, part_idx, n_chunks, front_s, front_idx, token_map,
@@ -339,7 +338,7 @@ def fused_expand(
             break
         _frontier_kernel[(B,)](pool_s, pool_t, P, offset, front_s, front_t, front_idx, src,
                                ROWS=per_req, K=K, KP=KP, LP=_pow2(per_req * K))
-        pre = F.linear(state, drafter.proj1.weight)  # [R, 4d]: each frontier node reads its parent's row
+        pre = drafter.proj1(state)  # [R, 4d]: each frontier node reads its parent's row
         new_state = torch.empty(B * K, d, device=dev, dtype=dt)
         new_cell = torch.empty(B * K, d, device=dev, dtype=dt)
         _lstm_cell_kernel[(B * K,)](pre, src, front_t, *cell_args, cell, *norms, new_state, new_cell, d, eps,

@@ -32,6 +32,11 @@ The token *embedding* stays over the full vocabulary, because the root and every
 that feeds the next round can be any target token. Checkpoints without ``draft_vocab_size`` in
 ``owl.json`` are full-vocabulary drafters.
 
+**FP8 weights** (:func:`quantize_fp8`, ``[owl] weights = "fp8"``): the two projections and the
+head, the matrices every beam level reads, stored as e4m3 with one scale per row
+(:mod:`.fp8`), for half the memory traffic of a weight-bound beam. The embedding stays as it is
+(a level reads only its rows' entries). Only the drafts change, never what verification commits.
+
 The tree (:func:`expand`) is EAGLE-2's dynamic beam over the drafter: ``top_k`` children per
 frontier node, ``top_k`` frontier nodes per level, ``depth`` levels, then the ``tree_size`` best
 nodes of the whole pool by cumulative log-probability. Everything is batched over requests and
@@ -55,6 +60,7 @@ from torch import nn
 
 from ..errors import LonggenError
 from .draft_vocab import DraftVocabulary, check_token_map_file
+from .fp8 import quantize_linears
 from .tree import DraftTree, Source, add_beam
 from .weights import check_shapes, expected_shapes, header_shapes, read_config, read_weights
 
@@ -65,6 +71,7 @@ VERSION = 1
 CONFIG_FILE = "owl.json"
 WEIGHTS_FILE = "owl.safetensors"
 SQRT2 = math.sqrt(2.0)
+FP8_LAYERS = ("proj0", "proj1", "head")  # what ``weights = "fp8"`` quantizes
 
 
 def embedding_scale(n_steps: int, width: int) -> float:
@@ -308,6 +315,14 @@ def load_drafter(
     return drafter.to(dtype).eval().requires_grad_(False)
 
 
+def quantize_fp8(drafter: OwlDrafter) -> OwlDrafter:
+    """The drafter with its projections and head as :class:`~.fp8.Fp8Linear` (in place, once its
+    device and dtype are set; a later ``.to`` moves them without recasting). The bf16 matrices go:
+    the drafter keeps only the fp8 copies."""
+    quantize_linears(drafter, FP8_LAYERS)
+    return drafter
+
+
 # ----------------------------------------------------------------------------------------------
 # tree expansion
 
@@ -364,8 +379,8 @@ def expand(
     under ancestors. With a reduced head the top-k runs over the draft vocabulary and the picks
     are mapped to target ids at once, so the beam (and the next step's input) holds target ids.
     """
-    dev = drafter.head.weight.device
-    dt = drafter.head.weight.dtype
+    dev = drafter.embedding.weight.device  # the drafter's device and dtype, whatever its head's storage
+    dt = drafter.embedding.weight.dtype
     score_dt = torch.float64 if dt == torch.float64 else torch.float32
     h_last = h_last.to(device=dev, dtype=dt)
     B = h_last.shape[0]
@@ -458,7 +473,7 @@ class GraphedExpand:
 
     def __call__(self, h_last: torch.Tensor, roots, h_spec: torch.Tensor | None = None,
                  has_spec=None) -> DraftBeam:
-        w = self.drafter.head.weight
+        w = self.drafter.embedding.weight
         h_last = h_last.to(device=w.device, dtype=w.dtype)
         B = h_last.shape[0]
         roots = torch.as_tensor(roots, dtype=torch.long, device=w.device).reshape(B)

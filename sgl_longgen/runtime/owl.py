@@ -11,6 +11,8 @@ chain instead (no [SPEC]) when its score exceeds the threshold.
 [SPEC] is an input-only token: id ``vocab_size`` of the reference model, embedded as the drafter
 checkpoint's vector. The prefill appends one after the prompt (at the position of the first new
 token) so the first round already has a [SPEC] state; its KV slot is overwritten by the first step.
+``[owl] weights = "fp8"`` quantizes the drafter's projections and head once here (the fp8 twin on
+a CPU): it changes the drafts, never what is committed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from functools import partial
 import torch
 
 from ..config import GenerateConfig
-from ..core.owl import OwlDrafter, expand, verify_width
+from ..core.owl import OwlDrafter, expand, quantize_fp8, verify_width
 from ..core.verify import Verdict, verify_tree
 from ..errors import LonggenError
 from ..methods import Draft, Howl, Owl
@@ -44,6 +46,8 @@ class OwlDecoder(Decoder):
         if o.spec and not drafter.spec:
             raise LonggenError("the OWL drafter was trained without [SPEC]; set owl.spec = false")
         self.drafter = drafter.to(device=self.model.device, dtype=self.model.dtype).eval().requires_grad_(False)
+        if o.weights == "fp8":  # in place: the drafter it was given keeps only the fp8 matrices
+            quantize_fp8(self.drafter)
         beam = partial(expand, self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size)
         spec_id = cfg.vocab_size  # input-only: embedded as the checkpoint's [SPEC] vector
         self.method = self._method(config, lambda h, roots, h_spec, has_spec: beam(h, roots, h_spec, torch.tensor(has_spec)),

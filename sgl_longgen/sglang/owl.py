@@ -11,6 +11,11 @@ is sacrificed and a [SPEC] can never be sampled. The hook reads a fixed mask buf
 captured with SGLang's verify CUDA graphs (SGLang's own ``replace_embeds`` override is never
 replayed from a graph). Its KV slots are never accepted, so the commit drops them with the other
 rejected nodes.
+
+With ``[owl] weights = "fp8"`` in the drafter directory's ``longgen.toml`` the drafter's
+projections and head are quantized once here (:mod:`sgl_longgen.core.fp8`) and every beam, the
+graphed fused one included, multiplies by them through the fp8 GEMM (lossless: only the drafts
+change).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from ..core.owl import GraphedExpand, load_drafter, verify_width
+from ..core.owl import GraphedExpand, load_drafter, quantize_fp8, verify_width
 from ..core.verify import Verdict
 from ..errors import LonggenError
 from ..methods import Draft, Howl, Owl
@@ -78,6 +83,8 @@ class OwlDrafter(Drafter):
         model = env.runner.model
         dtype = next(model.parameters()).dtype
         self.drafter = load_drafter(draft.path).to(device=env.device, dtype=dtype)
+        if o.weights == "fp8":  # before any graph captures them: the beams read the fp8 matrices
+            quantize_fp8(self.drafter)
         self.spec = None
         if o.spec:  # before SGLang captures the target's graphs: the hook is part of them
             # Room for the largest verify batch SGLang may capture or run (graphs read the buffer).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_longgen.core.owl import GraphedExpand, OwlDrafter, expand
+from sgl_longgen.core.owl import GraphedExpand, OwlDrafter, expand, quantize_fp8
 from sgl_longgen.kernels.owl_beam import fused_expand
 
 D0, VOCAB, WIDTH = 32, 300, 48
@@ -69,6 +69,16 @@ def test_fused_beam_over_several_vocabulary_chunks():
     d = make_drafter(5, draft_vocab=5000, vocab=6000)
     h, hs, roots, has = inputs(6, 2)
     shape = dict(top_k=3, depth=3, tree_size=10)
+    assert_same_beam(fused_expand(d, h, roots, hs, has, **shape), expand(d, h, roots, hs, has, **shape))
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 150])
+def test_fused_beam_with_fp8_weights_matches_the_pytorch_beam(draft_vocab):
+    """Both beams multiply by the same fp8 projections and head (the fp8 GEMM where the device has
+    it, the twin elsewhere)."""
+    d = quantize_fp8(make_drafter(12, draft_vocab=draft_vocab))
+    h, hs, roots, has = inputs(13, 3)
+    shape = {"top_k": 4, "depth": 4, "tree_size": 12}
     assert_same_beam(fused_expand(d, h, roots, hs, has, **shape), expand(d, h, roots, hs, has, **shape))
 
 

@@ -7,7 +7,8 @@ accepted, which would leave the interesting paths (deep acceptance, the [SPEC] s
 compaction past [SPEC] slots) untested; so most cases use a drafter fitted in a few seconds to the
 target's own greedy continuations of the test prompt. The tests assert that drafts were accepted.
 A drafter with a reduced head (the 32 most frequent tokens) must be just as lossless while the
-output also holds tokens it can never draft.
+output also holds tokens it can never draft, and so must a drafter whose projections and head are
+fp8 (``owl.weights = "fp8"``: other drafts, the same output).
 Sampled: the emitted tokens follow the exact distribution computed from a micro model.
 """
 
@@ -25,7 +26,8 @@ import torch
 from scipy.stats import chisquare
 
 from sgl_longgen.config import SamplingConfig
-from sgl_longgen.core.owl import OwlDrafter
+from sgl_longgen.core.fp8 import Fp8Linear
+from sgl_longgen.core.owl import FP8_LAYERS, OwlDrafter
 from sgl_longgen.errors import LonggenError
 from sgl_longgen.runtime import HowlDecoder, OwlDecoder, build_decoder, resolve_model
 from sgl_longgen.runtime.checkpoint import LoadedModel
@@ -78,6 +80,8 @@ CASES = [
     ("owl", "tiny-random", 0, "reduced", {}, 1.5, False),
     ("owl", "tiny-qwen2", 1, "reduced", {"owl__prefill_spec": False}, 1.5, False),
     ("howl", "tiny-qwen2", 1, "reduced", {}, 1.5, True),
+    ("owl", "tiny-random", 0, "fitted", {"owl__weights": "fp8"}, 1.5, False),
+    ("howl", "tiny-qwen2", 1, "reduced", {"owl__weights": "fp8"}, 1.5, True),
 ]
 
 
@@ -104,6 +108,8 @@ def test_greedy_owl_and_howl_equal_plain_decoding(method, name, setting, kind, e
     if kind == "reduced":  # some committed tokens (next rounds' roots) lie outside the draft vocabulary
         assert decoder.drafter.reduced
         assert set(result.output_ids) - set(decoder.drafter.token_map.tolist())
+    if cfg.owl.weights == "fp8":  # the drafts came from the fp8 matrices
+        assert all(isinstance(getattr(decoder.drafter, name), Fp8Linear) for name in FP8_LAYERS)
 
 
 def test_owl_kv_cache_equals_a_fresh_prefill_of_its_output():
