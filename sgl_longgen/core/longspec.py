@@ -55,6 +55,13 @@ per-node walk (:mod:`.verify`) draws every committed token from the target distr
 softmax over the N logits is the full softmax with every other token at -inf, which a beam over
 the full head with those tokens masked reproduces exactly. Without the field, a checkpoint is a
 full-vocabulary drafter, files and behaviour as before.
+
+**FP8 weights** (:func:`quantize_fp8`, ``[longspec] weights = "fp8"``): the block's projections
+and MLP, about 772 MB per beam level of an 8B-shaped block in bf16 with a 32K-row head, stored
+as e4m3 with one scale per row (:mod:`.fp8`), and the head with them (:func:`draft_head`): the
+target's LM head (or its rows at the token map) becomes an fp8 copy the drafter owns, beside the
+bf16 head the target keeps for itself. Half the memory traffic of a weight-bound level; only the
+drafts change, never what verification commits.
 """
 
 from __future__ import annotations
@@ -71,8 +78,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import LonggenError
-from .nn import RMSNorm
 from .draft_vocab import DraftVocabulary, check_token_map_file, token_map_problem
+from .fp8 import Fp8Linear, linear, quantize_linears
+from .nn import RMSNorm
 from .owl import DraftBeam
 from .tree import DraftTree, Source, add_beam
 from .weights import (
@@ -89,6 +97,10 @@ CONFIG_FILE = "longspec.json"
 WEIGHTS_FILE = "longspec.safetensors"
 DEFAULT_WINDOW = 512
 DEFAULT_WIDTHS = (4, 16, 16, 16, 16)
+
+# What ``weights = "fp8"`` quantizes in the block (its head: :func:`draft_head`).
+FP8_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "cross_attn.q_proj",
+              "cross_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 # The target's settings a drafter must share: the shapes it reads (embedding rows, K/V heads of
 # the last layer) and the RoPE its queries must carry to meet the target's keys.
@@ -482,6 +494,19 @@ def load_drafter(directory: str | Path, target: dict | None = None, dtype: torch
     return drafter.to(dtype).eval().requires_grad_(False)
 
 
+def quantize_fp8(drafter: LongSpecDrafter) -> LongSpecDrafter:
+    """The block with its projections and MLP as :class:`~.fp8.Fp8Linear` (in place, once its
+    device and dtype are set; a later ``.to`` moves them without recasting), fused again if they
+    were (:func:`fuse_projections`). Only the fp8 copies are kept; its head is :func:`draft_head`'s."""
+    fused = _fused(drafter) is not None
+    if hasattr(drafter, "_fused_projections"):  # its full-precision matrices would outlive the layers
+        del drafter._fused_projections
+    quantize_linears(drafter, FP8_LAYERS)
+    if fused:
+        fuse_projections(drafter)
+    return drafter
+
+
 # ----------------------------------------------------------------------------------------------
 # the drafter's head
 
@@ -507,9 +532,19 @@ class ReducedHead:
 
 
 def draft_head(drafter: LongSpecDrafter, weight: torch.Tensor,
-               full: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+               full: Callable[[torch.Tensor], torch.Tensor], fp8: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """The head a beam over ``drafter`` calls: ``full`` (the target's own) for a full-vocabulary
-    drafter, else a :class:`ReducedHead` of ``weight`` (the target's LM head matrix, ``[>= V, d]``)."""
+    drafter, else a :class:`ReducedHead` of ``weight`` (the target's LM head matrix, ``[>= V, d]``).
+
+    ``fp8``: an :class:`~.fp8.Fp8Linear` of ``weight``'s first ``vocab_size`` rows (or of its rows
+    at the token map), quantized a chunk of rows at a time: a copy the drafter owns, since the
+    target keeps reading its own head in full precision."""
+    if fp8:
+        rows = drafter.token_map if drafter.reduced else None
+        if rows is not None and int(rows.max()) >= weight.shape[0]:
+            raise ValueError(f"the LM head ({tuple(weight.shape)}) lacks rows the token map lists "
+                             f"(up to {int(rows.max())})")
+        return Fp8Linear.quantize(weight if drafter.reduced else weight[: drafter.vocab_size], rows)
     return ReducedHead(weight, drafter.token_map) if drafter.reduced else full
 
 
@@ -919,7 +954,8 @@ def fuse_projections(drafter: LongSpecDrafter) -> None:
     own weights becoming views of them (no second copy): a beam level then runs one GEMM where
     the block ran three (two), the small K/V projections no longer a launch and a poorly used
     GEMM each. Idempotent; a drafter moved or reloaded afterwards simply runs unfused (the
-    step checks that the views are still its weights)."""
+    step checks that the views are still its weights). FP8 layers (:func:`quantize_fp8`) fuse
+    into one :class:`~.fp8.Fp8Linear`, their row scales with their rows."""
     if _fused(drafter) is not None:
         return
     a, m = drafter.self_attn, drafter.mlp
@@ -927,22 +963,29 @@ def fuse_projections(drafter: LongSpecDrafter) -> None:
         groups = ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj))
         fused = []
         for layers in groups:
+            fp8 = isinstance(layers[0], Fp8Linear)
             whole = torch.cat([lin.weight for lin in layers])
+            scale = torch.cat([lin.scale for lin in layers]) if fp8 else None
             start = 0
             for lin in layers:
                 rows = lin.weight.shape[0]
-                lin.weight = nn.Parameter(whole[start : start + rows], requires_grad=lin.weight.requires_grad)
+                if fp8:
+                    lin.weight, lin.scale = whole[start : start + rows], scale[start : start + rows]
+                else:
+                    lin.weight = nn.Parameter(whole[start : start + rows], requires_grad=lin.weight.requires_grad)
                 start += rows
-            fused.append((whole, layers))
+            fused.append((Fp8Linear(whole, scale) if fp8 else whole, layers))
     drafter._fused_projections = fused
 
 
 def _fused(drafter: LongSpecDrafter) -> list | None:
-    """The fused matrices, if the block's weights are still views of them."""
+    """The fused matrices (tensors, or :class:`~.fp8.Fp8Linear`), if the block's weights are still
+    views of them."""
     fused = getattr(drafter, "_fused_projections", None)
     if fused is None:
         return None
-    for whole, layers in fused:
+    for matrix, layers in fused:
+        whole = matrix.weight if isinstance(matrix, Fp8Linear) else matrix
         start = 0
         for lin in layers:
             w = lin.weight
@@ -950,13 +993,13 @@ def _fused(drafter: LongSpecDrafter) -> list | None:
                     w.storage_offset() != whole.storage_offset() + start * whole.shape[1]:
                 return None
             start += w.shape[0]
-    return [whole for whole, _ in fused]
+    return [matrix for matrix, _ in fused]
 
 
-def _project(x: torch.Tensor, whole: torch.Tensor | None, layers: Sequence[nn.Linear]) -> torch.Tensor:
+def _project(x: torch.Tensor, whole: torch.Tensor | Fp8Linear | None, layers: Sequence[nn.Module]) -> torch.Tensor:
     if whole is not None:
-        return F.linear(x, whole)
-    return torch.cat([F.linear(x, lin.weight) for lin in layers], dim=-1)
+        return linear(x, whole)
+    return torch.cat([lin(x) for lin in layers], dim=-1)
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -998,15 +1041,15 @@ def _block_tail(drafter: LongSpecDrafter, x: torch.Tensor, a: torch.Tensor, cos:
                 sin_signed: torch.Tensor, attend: Attend) -> torch.Tensor:
     """The block past its self-attention (``x``: the rows' embeddings, ``a``: their self-attention
     ``[B, T, H * D]``): the normed states the head reads."""
-    h = x + F.linear(a, drafter.self_attn.o_proj.weight)
+    h = x + drafter.self_attn.o_proj(a)
     c = drafter.cross_attn
-    q = F.linear(_norm(drafter.post_self_attention_layernorm, h), c.q_proj.weight).unflatten(-1, (c.heads, c.head_dim))
-    h = h + F.linear(attend(_rope(q, cos, sin_signed)).flatten(-2), c.o_proj.weight)
+    q = c.q_proj(_norm(drafter.post_self_attention_layernorm, h)).unflatten(-1, (c.heads, c.head_dim))
+    h = h + c.o_proj(attend(_rope(q, cos, sin_signed)).flatten(-2))
     m = drafter.mlp
     fused = _fused(drafter)
     gate, up = _project(_norm(drafter.post_cross_attention_layernorm, h), fused and fused[1],
                         (m.gate_proj, m.up_proj)).chunk(2, dim=-1)
-    h = h + F.linear(F.silu(gate) * up, m.down_proj.weight)
+    h = h + m.down_proj(F.silu(gate) * up)
     return _norm(drafter.norm, h)
 
 

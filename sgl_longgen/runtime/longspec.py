@@ -9,7 +9,8 @@ over the full KV with the ancestor mask. One draw per node and the walk decide w
 committed (:func:`~sgl_longgen.core.verify.verify_tree`), so the output is plain decoding's.
 A drafter with a reduced draft vocabulary scores only its mapped tokens, through the target's LM
 head rows gathered once here (:func:`~sgl_longgen.core.longspec.draft_head`); that changes what is
-drafted, never what is committed.
+drafted, never what is committed. So do ``[longspec] weights = "fp8"`` (the block's matrices and
+its head quantized once here, multiplied through the fp8 twin on a CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..core.longspec import (
     WindowCache,
     draft_head,
     expand,
+    quantize_fp8,
     target_settings,
     verify_width,
 )
@@ -48,10 +50,13 @@ class LongSpecDecoder(Decoder):
             raise LonggenError(f"the LongSpec drafter was built for {k} = {have[k]!r} but the model's is {want[k]!r}")
         self.drafter = drafter.to(device=self.model.device, dtype=self.model.dtype).eval().requires_grad_(False)
         c = config.longspec
+        fp8 = c.weights == "fp8"
+        if fp8:  # in place: the drafter it was given keeps only the fp8 matrices
+            quantize_fp8(self.drafter)
         self.ring = WindowCache(drafter.num_kv_heads, drafter.window, drafter.head_dim, self.model.dtype,
                                   self.model.device)
         self.method = LongSpec(c, self._expand, drafter.window)
-        self.head = draft_head(self.drafter, self.model.lm_head.weight, self.model.lm_head)
+        self.head = draft_head(self.drafter, self.model.lm_head.weight, self.model.lm_head, fp8)
         self.slack = self.full_nodes = verify_width(c.widths, c.tree_size)
 
     def _expand(self, rids, pending, starts):

@@ -21,7 +21,11 @@ one block forward per level for the whole batch), run by the shared method
 * the embedding and the LM head are the target's (the first ``vocab_size`` logits: SGLang pads the
   head's rows); a drafter with a reduced draft vocabulary scores only its ``token_map``'s tokens,
   through those rows of the target's head gathered once when the worker starts (a tensor of its
-  own, which the graphed beam reads at a fixed address), and proposes the mapped target ids.
+  own, which the graphed beam reads at a fixed address), and proposes the mapped target ids;
+* with ``[longspec] weights = "fp8"`` (the draft directory's ``longgen.toml``) the block's
+  matrices are quantized once here and the head is an fp8 copy of the target's (or of its mapped
+  rows) that the drafter owns, the target keeping its own; the graphed step multiplies by them
+  through the fp8 GEMM (:mod:`sgl_longgen.core.fp8`).
 
 Lossless whatever the drafter proposes: the trie only decides which tokens the verifier may
 accept; every committed token is drawn by the worker's per-node walk.
@@ -48,6 +52,7 @@ from ..core.longspec import (
     feed_rings,
     fuse_projections,
     load_drafter,
+    quantize_fp8,
 )
 from ..core.owl import DraftBeam
 from ..errors import LonggenError
@@ -287,6 +292,9 @@ class LongSpecDrafter(Drafter):
             raise LonggenError("LONGSPEC runs with --tp-size 1 for now")
         self.dtype = next(model.parameters()).dtype
         self.drafter = load_drafter(draft.path, dtype=self.dtype).to(env.device)
+        fp8 = c.weights == "fp8"
+        if fp8:  # before fusing: the fused matrices are then the fp8 ones
+            quantize_fp8(self.drafter)
         fuse_projections(self.drafter)
         self.rope = TargetRope(target_rotary(model, self.drafter.head_dim))
         reach = int(runner.model_config.context_len) + len(c.widths) + 1
@@ -297,7 +305,7 @@ class LongSpecDrafter(Drafter):
         self.embedding = model.get_input_embeddings()
         self.lm_head = model.lm_head
         # A reduced draft vocabulary: its head rows gathered once, here (SGLang pads the head's rows).
-        self._head = draft_head(self.drafter, self.lm_head.weight[: env.vocab_size], self._full_head)
+        self._head = draft_head(self.drafter, self.lm_head.weight[: env.vocab_size], self._full_head, fp8)
         self.widths = list(c.widths)
         # Trees are cut to what a verify forward holds (lossless: the cut only drops candidates).
         self.tree_size = min(c.tree_size, env.num_nodes - 1)

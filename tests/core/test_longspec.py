@@ -482,22 +482,32 @@ def cross_attention_over(d: LongSpecDrafter, net: Transformer, caches, lengths):
     return attend
 
 
-@pytest.mark.parametrize("window,widths,tree_size,feed,fused", [
-    (512, [4, 16, 16, 16, 16], 63, 8, True),  # the paper's beam; first drafts feed most tokens eagerly
-    (16, [4, 8, 8], 14, 3, False),  # long feeds split between the eager part and the step, the ring wrapping
-    (6, [3, 5, 4], 9, 2, True),
-    (3, [2, 3, 3, 3, 3], 100, 8, False),  # a window shallower than the tree (and narrower than the feed)
+@pytest.mark.parametrize("window,widths,tree_size,feed,fused,fp8", [
+    (512, [4, 16, 16, 16, 16], 63, 8, True, False),  # the paper's beam; first drafts feed most tokens eagerly
+    (16, [4, 8, 8], 14, 3, False, False),  # long feeds split between the eager part and the step, the ring wrapping
+    (6, [3, 5, 4], 9, 2, True, False),
+    (3, [2, 3, 3, 3, 3], 100, 8, False, False),  # a window shallower than the tree (and narrower than the feed)
+    (16, [4, 8, 8], 14, 3, True, True),  # fp8 matrices, fused and not, and an fp8 head
+    (6, [3, 5, 4], 9, 2, False, True),
 ])
-def test_the_batched_step_is_each_requests_beam_step_after_step(window, widths, tree_size, feed, fused):
+def test_the_batched_step_is_each_requests_beam_step_after_step(window, widths, tree_size, feed, fused, fp8):
     """Requests of several lengths drafting side by side over several steps, each step feeding
     what each one committed since its last (1 to 9 tokens): every row of the batched step is what
     :func:`expand` builds for that request alone, and every ring holds what that request's own
     ring holds. The pool starts too small and grows under the rings."""
-    from sgl_longgen.core.longspec import RingPool, expand_batch, fuse_projections
+    from sgl_longgen.core.longspec import (
+        RingPool,
+        expand_batch,
+        fuse_projections,
+        quantize_fp8,
+    )
 
     net, d = target(), drafter(window)
+    if fp8:
+        quantize_fp8(d)
     if fused:
         fuse_projections(d)
+    head = draft_head(d, net.lm_head.weight, net.lm_head, fp8)
     g = torch.Generator().manual_seed(5)
     histories = [torch.randint(0, 40, (n,), generator=g).tolist() for n in (12, 5, 30)]
     pool = RingPool(d.num_kv_heads, window, d.head_dim, torch.float64, "cpu", capacity=1)
@@ -512,12 +522,12 @@ def test_the_batched_step_is_each_requests_beam_step_after_step(window, widths, 
         while len(rings) < len(histories):
             rings.append(pool.take())
         rope = lambda p: rope_tables(net.inv_freq, p, torch.float64)  # noqa: E731
-        beam = expand_batch(d, net.model.embed_tokens, net.lm_head, rope, pool, rings,
+        beam = expand_batch(d, net.model.embed_tokens, head, rope, pool, rings,
                             cross_attention_over(d, net, caches, lengths), [h[f:] for h, f in zip(histories, fed)],
                             fed, widths, tree_size, feed)
         for b, (h, cache, ref) in enumerate(zip(histories, caches, refs)):
             start = max(fed[b], len(h) - window)
-            want = expand(d, net.model.embed_tokens, net.lm_head, net.inv_freq, ref, cache.k[last], cache.v[last],
+            want = expand(d, net.model.embed_tokens, head, net.inv_freq, ref, cache.k[last], cache.v[last],
                           h[start:], start, widths, tree_size)
             assert beam.tokens[b].tolist() == want.tokens[0].tolist()
             assert beam.parents[b].tolist() == want.parents[0].tolist()
@@ -635,3 +645,33 @@ def test_fused_projections_are_the_blocks_weights():
     assert _fused(d) is None
     fuse_projections(d)
     assert _fused(d)[0].dtype == torch.float32
+
+
+def test_fp8_weights_keep_one_copy_and_fuse_with_their_scales():
+    """Quantizing a fused block drops its full-precision fused matrices, quantizes every layer and
+    fuses the fp8 layers again, rows and scales (a per-row scale makes the fused matrix the
+    quantization of the concatenation); a later dtype change leaves them fused."""
+    from sgl_longgen.core.fp8 import Fp8Linear, quantize
+    from sgl_longgen.core.longspec import (
+        FP8_LAYERS,
+        _fused,
+        fuse_projections,
+        quantize_fp8,
+    )
+
+    d = drafter()
+    a = d.self_attn
+    want = quantize(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    fuse_projections(d)
+    quantize_fp8(d)
+    assert all(isinstance(d.get_submodule(name), Fp8Linear) for name in FP8_LAYERS)
+    assert not [p for p in d.parameters() if p.dim() == 2]  # no full-precision matrix is left
+    qkv, gate_up = _fused(d)
+    assert isinstance(qkv, Fp8Linear) and gate_up.out_features == 2 * d.intermediate_size
+    assert torch.equal(qkv.weight.float(), want[0].float()) and torch.equal(qkv.scale, want[1])
+    assert torch.equal(a.v_proj.scale, qkv.scale[-a.v_proj.out_features:])
+    d.float()
+    assert _fused(d)[0] is qkv and a.q_proj.weight.dtype == torch.float8_e4m3fn
+    net = target()
+    head = draft_head(d, net.lm_head.weight, net.lm_head, fp8=True)
+    assert isinstance(head, Fp8Linear) and head.out_features == d.vocab_size

@@ -10,7 +10,9 @@ prompt, and assert that drafts were accepted, ending inside the tree as well as 
 Sampled: the emitted tokens follow the exact distribution computed from a micro model, and the
 same harness rejects a verifier that leans toward the draft. A drafter with a reduced draft
 vocabulary (the fitted one, mapped to the most frequent half of the tokens plain decoding emits)
-is still token-identical, proposes mapped ids only, and a bad map is refused naming the file.
+is still token-identical, proposes mapped ids only, and a bad map is refused naming the file. So
+is a drafter whose block and head are fp8 (``longspec.weights = "fp8"``: other drafts, the same
+output).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from sgl_longgen.config import SamplingConfig
+from sgl_longgen.core.fp8 import Fp8Linear
 from sgl_longgen.core.longspec import WEIGHTS_FILE, LongSpecDrafter, load_drafter
 from sgl_longgen.core.penalty import window_tokens
 from sgl_longgen.core.sampling import LogitsProcessor
@@ -67,6 +70,9 @@ CASES = [
     ("tiny-qwen2", 1, 512, {"longspec__widths": [2, 4, 4], "longspec__tree_size": 7}, 1.8, True),
     ("tiny-random", 0, 16, {"longspec__widths": [3, 6, 6, 6, 6, 6, 6], "longspec__tree_size": 30}, 5.0, True),
     ("tiny-random", 1, 3, {}, 4.0, True),  # a window shallower than the tree
+    ("tiny-random", 0, 512, {"longspec__weights": "fp8"}, 4.0, True),
+    ("tiny-qwen2", 1, 512, {"longspec__weights": "fp8", "longspec__widths": [2, 4, 4], "longspec__tree_size": 7},
+     1.8, True),
 ]
 
 
@@ -86,6 +92,8 @@ def test_greedy_longspec_equals_plain_decoding(name, setting, window, extra, min
     assert s.verify_tokens <= s.steps * width
     if partial:  # the walk also stops inside the tree (compaction of a path that is not a whole branch)
         assert result.accept_length < len(cfg.longspec.widths) + 1
+    if cfg.longspec.weights == "fp8":  # the drafts came from the fp8 block and an fp8 copy of the head
+        assert isinstance(decoder.head, Fp8Linear) and isinstance(decoder.drafter.mlp.down_proj, Fp8Linear)
 
 
 @pytest.mark.parametrize("prompt", range(len(PROMPTS)))
@@ -175,11 +183,12 @@ def reduced(name: str, setting: int) -> tuple[Path, list[int]]:
     return drafter.save(Path(_TMP.name) / f"{name}-{setting}-reduced"), token_map.tolist()
 
 
-@pytest.mark.parametrize("name,setting", [("tiny-random", 0), ("tiny-qwen2", 1)])
-def test_greedy_longspec_with_a_reduced_draft_vocabulary_equals_plain_decoding(name, setting):
+@pytest.mark.parametrize("name,setting,weights", [("tiny-random", 0, "bf16"), ("tiny-qwen2", 1, "bf16"),
+                                                   ("tiny-qwen2", 1, "fp8")])
+def test_greedy_longspec_with_a_reduced_draft_vocabulary_equals_plain_decoding(name, setting, weights):
     penalty, pw = SETTINGS[name][setting]
     path, token_map = reduced(name, setting)
-    cfg = config("longspec", sampling__penalty=penalty, sampling__penalty_window=pw)
+    cfg = config("longspec", sampling__penalty=penalty, sampling__penalty_window=pw, longspec__weights=weights)
     decoder = build_decoder(model(name), cfg, longspec_dir=path)
     assert decoder.drafter.reduced and decoder.head.weight.shape[0] == len(token_map)  # the gathered rows
     proposed: list[int] = []
