@@ -21,13 +21,15 @@ the peer), ``--algorithms`` in turn:
    draft_wait, draft_tree, verify_launch, accept_queue, walk, observe) on its own;
 3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, ``--owl-draft-vocab``,
    depth 8, top-k 10, 30 nodes) for one request, next to the plain decode step at the first
-   context length;
+   context length, for each ``--drafter-weights`` setting (``bf16``; ``fp8``: the projections and
+   head as e4m3 with row scales, :mod:`sgl_longgen.core.fp8`), side by side;
 4. LongSpec's drafting cost per step (``--phase longspec``): one full beam expansion (widths
    ``[4, 16, 16, 16, 16]`` cut to 63 nodes, window 512) of an 8B-shaped drafter block for
    ``--longspec-batch`` requests at each ``--contexts`` length, its cross-attention through the
    Triton prefix kernel (what the worker runs on a GPU) and through its PyTorch twin, next to the
    plain decode step at that context; with the full head and with a reduced draft vocabulary
-   (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only).
+   (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only);
+   with ``--drafter-weights bf16 fp8`` also with the block and head in fp8 (keys prefixed ``fp8_``).
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
@@ -36,6 +38,8 @@ the peer), ``--algorithms`` in turn:
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --owl-width 4096 2048 1024
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms LONGSPEC
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-draft-vocab 32768
+    python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --drafter-weights bf16 fp8
+    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8
 """
 
 from __future__ import annotations
@@ -241,17 +245,20 @@ def host_figures(steps: list[dict], tau: float | None) -> dict[str, float]:
     return out
 
 
-def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, profile_dir: Path | None = None) -> dict:
+def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, profile_dir: Path | None = None,
+                   weights: str = "bf16") -> dict:
     """Median time (CUDA events, L2 flushed) of one OWL tree expansion for an 8B-shaped target, batch 1:
     the PyTorch beam eagerly and replayed as a CUDA graph, and the fused-kernel beam's graph (what the
     OWL worker replays by default). ``draft_vocab`` N > 0: the head covers a random map of N target
     tokens (its cost does not depend on which). ``compiled``: also the graph of the
     ``torch.compile``d beam. Other beams round differently from the eager one: ``*_token_agreement``
     is the share of draft nodes holding the same token. ``profile_dir``: each graph's per-kernel
-    totals there (:func:`.kernel_trace.profile`)."""
+    totals there (:func:`.kernel_trace.profile`). ``weights``: ``"fp8"`` times every beam with the
+    projections and head quantized (:func:`~sgl_longgen.core.owl.quantize_fp8`, as the worker
+    does for ``[owl] weights = "fp8"``), the agreement then against the eager fp8 beam."""
     import torch
 
-    from ..core.owl import GraphedExpand, OwlDrafter, expand
+    from ..core.owl import GraphedExpand, OwlDrafter, expand, quantize_fp8
     from .kernels import time_us
     from ..kernels.owl_beam import fused_expand
 
@@ -262,11 +269,14 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, pro
     if n is not None:
         drafter.set_token_map(torch.randperm(vocab)[:n].sort().values)
     drafter = drafter.to("cuda", torch.bfloat16).eval()
+    if weights == "fp8":
+        quantize_fp8(drafter)
     h = torch.randn(1, d0, device="cuda", dtype=torch.bfloat16)
     root = torch.tensor([1234], device="cuda")
     has = torch.tensor([True], device="cuda")
     shape = dict(top_k=10, depth=8, tree_size=30)
-    out: dict = {}
+    out: dict = {"weights": weights}
+    tag = f"owl-{width}x{draft_vocab}" + ("" if weights == "bf16" else f"-{weights}")
     with torch.no_grad():
         eager_beam = expand(drafter, h, root, h, has, **shape)
         out["eager_ms"] = round(time_us(lambda: expand(drafter, h, root, h, has, **shape)) / 1e3, 3)
@@ -281,7 +291,7 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, pro
                 beam = graphed(h, root, h, has)
                 out[f"{name}_ms"] = round(time_us(lambda: graphed(h, root, h, has)) / 1e3, 3)
                 if profile_dir is not None:
-                    profile(lambda: graphed(h, root, h, has), profile_dir / f"owl-{width}x{draft_vocab}-{name}")
+                    profile(lambda: graphed(h, root, h, has), profile_dir / f"{tag}-{name}")
                 out[f"{name}_token_agreement"] = round(float((beam.tokens == eager_beam.tokens).float().mean()), 3)
             except Exception as exc:  # report, do not lose the other numbers
                 out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -289,7 +299,8 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, pro
 
 
 def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, config: dict = LLAMA_8B,
-                        device: str = "cuda", draft_vocab: int = 0, profile_dir: Path | None = None) -> dict:
+                        device: str = "cuda", draft_vocab: int = 0, profile_dir: Path | None = None,
+                        weights: tuple[str, ...] = ("bf16",)) -> dict:
     """Median time (CUDA events, L2 flushed) of one full LongSpec beam expansion for an 8B-shaped
     target, ``batch`` requests at each context length: a steady step (the ring already holds the
     window; the last committed token and the root are fed), its cross-attention reading the
@@ -300,7 +311,12 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     ``draft_vocab`` N (0 < N < vocabulary): the same block again with a reduced draft vocabulary,
     its head the target's rows at a random map of N tokens (the cost does not depend on which),
     gathered once as the worker does: the same figures prefixed ``reduced_``. ``profile_dir``: the
-    graphed step's per-kernel totals there (:func:`.kernel_trace.profile`)."""
+    graphed step's per-kernel totals there (:func:`.kernel_trace.profile`). ``weights``: the
+    settings timed; ``"fp8"`` again with the block quantized and an fp8 copy of the head (full or
+    reduced), as the worker builds them for ``[longspec] weights = "fp8"``, the same figures
+    prefixed ``fp8_`` (``fp8_reduced_``)."""
+    import copy
+
     import msgspec
     import torch
 
@@ -308,6 +324,7 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         DEFAULT_WIDTHS,
         LongSpecDrafter,
         draft_head,
+        quantize_fp8,
         rope_tables,
     )
     from ..runtime.model import ModelConfig, rope_inv_freq
@@ -328,7 +345,7 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     v_buffer = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
     reduced = 0 < draft_vocab < vocab
     out: dict = {"batch": batch, "window": window, "widths": list(DEFAULT_WIDTHS), "tree_size": 63,
-                 "vocab": vocab, "draft_vocab": draft_vocab if reduced else vocab}
+                 "vocab": vocab, "draft_vocab": draft_vocab if reduced else vocab, "weights": list(weights)}
 
     def rope(positions):
         return rope_tables(inv_freq, positions, torch.float32)
@@ -336,11 +353,18 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     def full_head(h):
         return torch.nn.functional.linear(h, head_weight)
 
-    variants = {"": (drafter, full_head)}  # key prefix -> (drafter, its head)
-    if reduced:
-        token_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
-        small = drafter.with_token_map(token_map.to(dev))
-        variants["reduced_"] = (small, draft_head(small, head_weight, full_head))
+    token_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values if reduced else None
+    variants = {}  # key prefix -> (drafter, its head)
+    for setting in weights:
+        fp8 = setting == "fp8"
+        prefix = f"{setting}_" if fp8 else ""
+        block = quantize_fp8(copy.deepcopy(drafter)) if fp8 else drafter
+        variants[prefix] = (block, draft_head(block, head_weight, full_head, fp8))
+        if reduced:
+            small = drafter.with_token_map(token_map.to(dev))
+            if fp8:
+                quantize_fp8(small)
+            variants[f"{prefix}reduced_"] = (small, draft_head(small, head_weight, full_head, fp8))
     for L in contexts:
         rows = [torch.randperm(slots, device=dev)[:L].to(torch.int32) for _ in range(batch)]
         tokens = torch.randint(0, vocab, (L + 1,), generator=gen).tolist()
@@ -619,25 +643,39 @@ def summary(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+OWL_BEAMS = ("eager", "graph", "fused_graph", "compiled_graph")
+
+
 def phase_owl(args, report: dict) -> None:
+    """Each width's beams at each ``--drafter-weights`` setting; the report's key is
+    ``WIDTHxVOCAB`` for bf16 (as ever) and ``WIDTHxVOCAB-fp8`` for fp8."""
     first = str(args.contexts[0])
     ar_ms = report.get("ar_step_ms", {}).get(first, float("nan"))
     vocab = LLAMA_8B["vocab_size"]
     draft_vocab = args.owl_draft_vocab if 0 < args.owl_draft_vocab < vocab else vocab
+    rows = []
     for width in args.owl_width:
-        r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile)
-        r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
-        for name in ("graph", "fused_graph", "compiled_graph"):
-            if f"{name}_ms" in r:
-                r[f"{name}_vs_ar"] = round(r[f"{name}_ms"] / ar_ms, 3)
-        report.setdefault("owl_drafter", {})[f"{width}x{draft_vocab}"] = r
-        print(f"OWL drafter (width {width}, draft vocabulary {draft_vocab}, depth 8, top-k 10, 30 nodes; "
-              f"x = share of an AR step at {first}): {r}", flush=True)
+        for weights in args.drafter_weights:
+            r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile, weights)
+            r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
+            for name in OWL_BEAMS[1:]:
+                if f"{name}_ms" in r:
+                    r[f"{name}_vs_ar"] = round(r[f"{name}_ms"] / ar_ms, 3)
+            key = f"{width}x{draft_vocab}" + ("" if weights == "bf16" else f"-{weights}")
+            report.setdefault("owl_drafter", {})[key] = r
+            rows.append(r)
+            print(f"OWL drafter (width {width}, draft vocabulary {draft_vocab}, {weights} weights, depth 8, top-k 10, "
+                  f"30 nodes; x = share of an AR step at {first}): {r}", flush=True)
+    print(f"OWL drafter, ms per tree (AR step at {first}: {ar_ms:.3f} ms)")
+    print(f"{'width':>6} {'vocab':>7} {'weights':>7} " + " ".join(f"{b:>14}" for b in OWL_BEAMS))
+    for r in rows:
+        cells = [f"{r[f'{b}_ms']:>14}" if f"{b}_ms" in r else f"{'-':>14}" for b in OWL_BEAMS]
+        print(f"{r['width']:>6} {r['draft_vocab']:>7} {r['weights']:>7} " + " ".join(cells), flush=True)
 
 
 def phase_longspec(args, report: dict) -> None:
     r = longspec_drafter_ms(args.contexts, args.longspec_batch, draft_vocab=args.longspec_draft_vocab,
-                            profile_dir=args.profile)
+                            profile_dir=args.profile, weights=tuple(args.drafter_weights))
     for L in args.contexts:
         ar_ms = report.get("ar_step_ms", {}).get(str(L), float("nan"))
         row = r[str(L)]
@@ -648,6 +686,19 @@ def phase_longspec(args, report: dict) -> None:
                 else f"full head {r['vocab']}")
         print(f"LongSpec drafter ({args.longspec_batch} request(s), beam [4,16,16,16,16] cut to 63, window 512, "
               f"{head}) at {L}: {row}", flush=True)
+    heads = ("", "reduced_") if r["draft_vocab"] < r["vocab"] else ("",)
+    print(f"LongSpec drafter, graphed step ms (x AR step), {args.longspec_batch} request(s): "
+          f"full head {r['vocab']}" + (f" | reduced {r['draft_vocab']}" if len(heads) > 1 else ""))
+    print(f"{'context':>8} {'weights':>7} " + " ".join(f"{'full' if h == '' else 'reduced':>18}" for h in heads))
+    for L in args.contexts:
+        row = r[str(L)]
+        for weights in args.drafter_weights:
+            prefix = "" if weights == "bf16" else f"{weights}_"
+            cells = []
+            for h in heads:
+                ms, x = row.get(f"{prefix}{h}beam_graph_ms"), row.get(f"{prefix}{h}beam_graph_vs_ar")
+                cells.append(f"{'-' if ms is None else f'{ms} ({x}x)':>18}")
+            print(f"{L:>8} {weights:>7} " + " ".join(cells), flush=True)
     report["longspec_drafter"] = r
 
 
@@ -695,6 +746,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
                         "token map (0: the full head only)")
+    p.add_argument("--drafter-weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"],
+                   help="--phase owl / longspec: time the drafter with these weight settings, side by side (fp8: "
+                        "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\")")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="--phase owl / longspec: the graphed drafters' per-kernel totals into DIR")
     return p
@@ -705,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.longspec_draft_vocab < 0:
         p.error(f"--longspec-draft-vocab must be 0 or more, got {args.longspec_draft_vocab}")
+    if len(set(args.drafter_weights)) != len(args.drafter_weights):
+        p.error(f"--drafter-weights lists a setting twice: {args.drafter_weights}")
 
     rng = random.Random(0)
     root = Path(tempfile.mkdtemp(prefix="longgen_gpu_check_"))
