@@ -162,6 +162,21 @@ def test_a_reduced_draft_vocabulary_is_identical(plain_engine, reduced_dir):
         stop(engine)
 
 
+def test_fp8_drafter_weights_are_identical(plain_engine, reduced_dir, tmp_path):
+    """The drafter directory asks for fp8 matrices; the worker quantizes the block and an fp8 copy
+    of the head's mapped rows once (the fp8 twin on a CPU): plain decoding's output, drafts accepted."""
+    fp8_dir = tmp_path / "fp8"
+    shutil.copytree(reduced_dir, fp8_dir)
+    (fp8_dir / "longgen.toml").write_text('[longspec]\nweights = "fp8"\n')
+    engine = start(fp8_dir)
+    try:
+        metas = identical(plain_engine, engine, PROMPTS, NEW_TOKENS)
+        assert min(m["spec_accept_length"] for m in metas) > 1.2, metas
+        identical(plain_engine, engine, CONCURRENT, 64)
+    finally:
+        stop(engine)
+
+
 def test_sampled_longspec_completes(random_engine):
     params = [{"max_new_tokens": 64, "temperature": 0.9, "top_p": 0.95, "ignore_eos": True, "sampling_seed": s}
               for s in range(len(PROMPTS))]

@@ -3,10 +3,14 @@
 A random-init drafter almost never gets a token accepted, so the drafter here is fitted in a few
 seconds to the target's own greedy continuations of the test prompts: acceptance then goes deep
 into the trees, through the [SPEC] hand-off between rounds. HOWL's drafter has a reduced head (the
-most frequent tokens of those continuations), so the engine also runs a token-mapped beam.
+most frequent tokens of those continuations), so the engine also runs a token-mapped beam. With
+``[owl] weights = "fp8"`` in the drafter directory the worker drafts from fp8 matrices: the same
+output.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -82,6 +86,19 @@ def check_identical(plain_engine, engine, min_tau: float, **extra) -> None:
 
 def test_owl_greedy_is_identical(plain_engine, owl_engine):
     check_identical(plain_engine, owl_engine, min_tau=1.5)
+
+
+def test_owl_with_fp8_drafter_weights_is_identical(plain_engine, drafter_dir, tmp_path):
+    """The drafter directory asks for fp8 matrices; the worker quantizes its projections and head
+    once (the fp8 twin on a CPU) and every draft reads them: plain decoding's output, drafts accepted."""
+    fp8_dir = tmp_path / "fp8"
+    shutil.copytree(drafter_dir, fp8_dir)
+    (fp8_dir / "longgen.toml").write_text('[owl]\nweights = "fp8"\n')
+    engine = start("OWL", fp8_dir)
+    try:
+        check_identical(plain_engine, engine, min_tau=1.5)
+    finally:
+        stop(engine)
 
 
 def test_owl_greedy_with_the_contextual_penalty(plain_engine, owl_engine):
