@@ -28,7 +28,9 @@ Each speculative request asks for the adaptive report; the last step's running f
 go in the JSON beside the times. ``--timeline``: one more sampled and one more greedy ``2N``-token
 request at the first context with the step timing on (``longgen_timing = "host"``): per step, the
 token it started at, its kind and its sections (``timeline`` in the JSON), to see where a whole
-request's time beyond the steady rate goes. ``--profile DIR``: per engine, SGLang's torch profiler
+request's time beyond the steady rate goes; and the batch once more, each request streamed, with
+the seconds to its first and last token (``batch.timeline``, every engine: whether the requests
+decoded together or in turns). ``--profile DIR``: per engine, SGLang's torch profiler
 over ``--profile-steps`` decode steps of one more sampled request at the first context (or
 ``--profile-context``), folded into per-kernel totals per CUDA-graph launch (:mod:`.kernel_trace`;
 ``profile`` in the JSON, ``DIR/<engine>.md``), to compare a plain step of each method with plain
@@ -140,6 +142,32 @@ def steady_ms_per_token(eng, prompts: list[list[int]], params: dict, n: int,
     return (long.wall - prefill_s) / (2 * n) * 1e3, (long.wall - short.wall) / n * 1e3, long.decode_ms, long.reports
 
 
+def batch_timeline(eng, prompts: list[list[int]], params: dict, n: int) -> list[dict]:
+    """``prompts`` submitted together, each streamed on its own: per request, the seconds from the
+    submission to its first and its last token, its tokens and the chunks they came in. Shows
+    whether the requests decoded together (the same span) or in turns (staggered spans, a tail
+    decoded at a smaller batch)."""
+    import asyncio
+
+    async def one(prompt: list[int], t0: float) -> dict:
+        first = last = None
+        chunks = tokens = 0
+        stream = await eng.async_generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": n + 1},
+                                          stream=True)
+        async for chunk in stream:
+            last = time.time() - t0
+            first = last if first is None else first
+            chunks += 1
+            tokens = chunk["meta_info"]["completion_tokens"]
+        return {"first_s": round(first, 4), "last_s": round(last, 4), "tokens": tokens, "chunks": chunks}
+
+    async def all_of() -> list[dict]:
+        t0 = time.time()
+        return list(await asyncio.gather(*(one(p, t0) for p in prompts)))
+
+    return eng.loop.run_until_complete(all_of())
+
+
 def warm_up(eng, params: list[dict]) -> None:
     """A short generation per kind of request: first-use compilation and graph capture (the
     drafters' too) stay out of the measured requests."""
@@ -195,6 +223,11 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
                            "steady_tokens_per_s": round(len(batch_prompts) * 1e3 / steady, 1), "reports": reps}
         print(f"  {len(batch_prompts)} x {args.batch_context}: {result['batch']['tokens_per_s']} tokens/s "
               f"(steady {result['batch']['steady_tokens_per_s']})", flush=True)
+        if args.timeline:
+            spans = batch_timeline(eng, batch_prompts, sampled, 2 * args.tokens)
+            result["batch"]["timeline"] = spans
+            print("  batch spans (first-last token s): " + ", ".join(f"{r['first_s']:.2f}-{r['last_s']:.2f}"
+                                                                     for r in spans), flush=True)
     return result
 
 
