@@ -67,7 +67,11 @@ DRAFTING_FAILED = "drafting failed"
 # The scheduler's and the host's time per call (1-3 ms) is spread over this many tokens. A plain
 # step that only measures (or refreshes) the plain cost between speculative steps stays one token
 # (its controllers allow one: AdaptiveSteps.plain_run_limit); a stretch where nothing pays runs
-# PLAIN_RUN at a time from its first call, up to the next due probe.
+# PLAIN_RUN at a time, up to the next due probe. After a prefill the runs grow again from one token,
+# doubling with each plain call: SGLang admits a waiting request only between two calls, so a
+# burst of arrivals is admitted at plain decoding's pace (one token per running request between
+# two prefills) instead of a run apart, and the requests of the burst decode together to the end
+# instead of in turns.
 PLAIN_RUN = 32
 
 
@@ -123,6 +127,7 @@ class SpecWorker(BaseSpecWorker):
         self.adaptive = AdaptiveSteps(server_config(self.drafter.defaults.adaptive), self._hint)
         self.host_profile = HostProfile.from_env()
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
+        self._run_cap = PLAIN_RUN  # the longest plain run the next plain call may queue (see PLAIN_RUN)
 
     # -- SGLang's worker contract -----------------------------------------------------------------
 
@@ -172,6 +177,7 @@ class SpecWorker(BaseSpecWorker):
     def extend(self, batch, on_publish) -> GenerationBatchResult:
         """Prefill (or any non-decode batch): a plain target step, exactly SGLang's sampling."""
         self.adaptive.broke()
+        self._run_cap = 1  # see PLAIN_RUN
         for req in batch.reqs:
             self.requests.pop(req.rid)  # a (re-)prefilled request starts its speculation afresh
         res = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=self.drafter.prefill_capture)
@@ -200,6 +206,8 @@ class SpecWorker(BaseSpecWorker):
         clock.section("setup")
 
         run = 1 if speculate else self._plain_run_length(batch, steps)
+        if not speculate:
+            self._run_cap = min(PLAIN_RUN, 2 * self._run_cap)
         if run > 1:
             return self._plain_run(batch, steps, run, on_publish)
         if speculate:
@@ -258,13 +266,13 @@ class SpecWorker(BaseSpecWorker):
     def _plain_run_length(self, batch, steps: list[StepRequest]) -> int:
         """Plain steps this call may queue back to back: 1 where a token needs the host before the
         next one is drawn (our contextual penalty's window, SGLang's own processing of a blocked
-        request, logprobs or hidden states returned per token), else :data:`PLAIN_RUN`, at most
-        the verify width, every request's remaining budget and the plain steps its controller
+        request, logprobs or hidden states returned per token), else :data:`PLAIN_RUN` (fewer
+        right after a prefill: see there), at most the verify width, every request's remaining budget and the plain steps its controller
         allows before its next probe (one where a plain step only measures or refreshes the plain
         cost)."""
         if batch.return_logprob:
             return 1
-        run = min(PLAIN_RUN, self.num_nodes, self.adaptive.plain_run_limit(steps))
+        run = min(self._run_cap, self.num_nodes, self.adaptive.plain_run_limit(steps))
         for step in steps:
             req = step.req
             if step.blocker not in (None, SPECULATION_OFF) or step.sampling.penalty_active:

@@ -120,12 +120,15 @@ def test_plain_steps_run_back_to_back_unless_a_token_needs_the_host(plain_engine
     forward. With the contextual penalty (its window needs every new token) it is one per call."""
     want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
     got = adaptive_engine.generate(input_ids=PROMPTS, sampling_params=params(NEW_TOKENS, longgen_speculation="off"))
-    # Full runs from the first plain call (no controller decides: nothing to measure between them).
-    runs = math.ceil((NEW_TOKENS - 1) / PLAIN_RUN)
+    # Runs grow from one token after the prefill, doubling with each plain call: 1, 2, 4, ... PLAIN_RUN.
+    runs, left = 0, NEW_TOKENS - 1
+    while left > 0:
+        left -= min(PLAIN_RUN, 1 << runs, left)
+        runs += 1
     for w, g in zip(want, got):
         meta = g["meta_info"]
         assert g["output_ids"] == w["output_ids"]
-        assert calls(meta) == runs
+        assert calls(meta) <= runs < math.ceil((NEW_TOKENS - 1) / 4)
         assert meta["spec_verify_ct"] == NEW_TOKENS - 1 and meta["spec_accept_length"] < 1.05
     penalty = {"penalty": 1.2, "penalty_window": 16}
     processor = ContextualPenaltyProcessor.to_str()
@@ -136,3 +139,30 @@ def test_plain_steps_run_back_to_back_unless_a_token_needs_the_host(plain_engine
     for w, g in zip(want, got):
         assert g["output_ids"] == w["output_ids"]
         assert calls(g["meta_info"]) == n - 1
+
+
+def test_a_request_that_arrives_mid_run_is_admitted_at_plain_decodings_pace(adaptive_engine):
+    """A request that arrives while another decodes in runs of plain steps waits for the run in
+    flight only: after its prefill the runs start again from one token, so a burst of arrivals is
+    admitted one token apart and decodes together with the running requests."""
+    import asyncio
+
+    async def main():
+        first = await adaptive_engine.async_generate(
+            input_ids=PROMPTS[0], sampling_params=params(160, longgen_speculation="off"), stream=True)
+        second = None
+        async for chunk in first:
+            done = chunk["meta_info"]["completion_tokens"]
+            if second is None and done >= 40:
+                second = asyncio.ensure_future(adaptive_engine.async_generate(
+                    input_ids=PROMPTS[1], sampling_params=params(16, longgen_speculation="off")))
+            last = chunk
+        await second
+        return last["meta_info"]
+
+    meta = adaptive_engine.loop.run_until_complete(main())
+    totals = [v for v in meta["longgen_plain_steps"] if v is not None]
+    runs = [b - a for a, b in zip([0, *totals], totals)]
+    assert runs[:5] == [1, 2, 4, 8, 16]  # after its own prefill
+    later = runs[5:]
+    assert PLAIN_RUN in later and later.index(1) > later.index(PLAIN_RUN), runs  # restarted by the arrival
