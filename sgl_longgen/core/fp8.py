@@ -5,17 +5,22 @@ beam level multiplies at most a few dozen rows by them, GEMMs that run at the me
 floor. Stored as e4m3 values with one float32 scale per output row (``scale = row amax / 448``),
 a matrix is half the bytes of bf16, and so, roughly, is that time.
 
+Weight-only: the activations stay in their dtype (bf16 in a drafter). At a few rows the time is
+the matrix's bytes, so quantizing the activations as well would save nothing and costs kernels of
+its own (cuBLAS's fp8 GEMM takes both operands in fp8, and its kernels are built for many rows).
+Only the matrix's rounding then changes what the drafter computes.
+
 Lossless by construction: the drafter only proposes. Every committed token is drawn from the
 target by the verifier's per-node walk (:mod:`.verify`), so the rounding changes which tokens
 are proposed (acceptance), never the output or its distribution.
 
-:class:`Fp8Linear` holds one quantized matrix and computes ``x @ W.T``. Where cuBLAS has fp8
-GEMMs (CUDA, compute capability 8.9 and up: Ada, Hopper) that is ``torch._scaled_mm`` with
-row-wise scales, each activation row quantized on the fly with a scale of its own: fixed shapes
-and no host reads, so it is captured in the drafters' CUDA graphs. Everywhere else (CPU, older
-GPUs, shapes the GEMM refuses) its twin dequantizes the matrix and multiplies in the activation's
-dtype; the twin is the reference the fp8 GEMM is tested against. (torch's ``_scaled_mm`` on a CPU
-takes only per-tensor scales, which would lose the per-row precision: the twin serves there.)
+:class:`Fp8Linear` holds one quantized matrix and computes ``x @ W.T``. On CUDA devices where
+Triton has e4m3 conversions (compute capability 8.9 and up: Ada, Hopper) that is the weight-only
+Triton GEMM of :mod:`sgl_longgen.kernels.fp8_gemm` (the matrix read as e4m3, converted in
+registers, float32 sums scaled once per output): fixed shapes and no host reads, so it is captured
+in the drafters' CUDA graphs. Everywhere else (CPU, older GPUs, float64) its twin dequantizes the
+matrix and multiplies in the activation's dtype; the twin is the reference the kernel is tested
+against.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from torch import nn
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value; beyond it a cast gives NaN, so values are clamped
-ALIGN = 16  # _scaled_mm needs K and N multiples of this; rows are padded to it
 CHUNK_ROWS = 4096  # rows quantized at once: bounds the float32 transient of a 128K-row head
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
@@ -72,28 +76,8 @@ def reference_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> t
     return F.linear(x, dequantize(q, scale, x.dtype))
 
 
-def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` through cuBLAS's fp8 GEMM (CUDA only): each row of ``x`` quantized to e4m3 with
-    its own scale, both scales applied by the GEMM, the result in bf16 (then ``x``'s dtype).
-
-    Rows are padded with zeros to a multiple of 16 (torch builds differ on whether other row
-    counts are taken; a drafter's few rows cost the same either way) and sliced back. Every
-    shape follows from ``x``'s and nothing is read back: CUDA-graph safe.
-    """
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    pad = -m % ALIGN
-    if pad:
-        rows = F.pad(rows, (0, 0, 0, pad))
-    xq, x_scale = _quantize_rows(rows.float())
-    out = torch._scaled_mm(xq.contiguous(), q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :],
-                           out_dtype=torch.bfloat16)
-    return out[:m].to(x.dtype).view(*lead, q.shape[0])
-
-
-def scaled_mm_supported(device: torch.device) -> bool:
-    """cuBLAS has fp8 GEMMs on this device (CUDA, compute capability >= 8.9)."""
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """Triton compiles e4m3 conversions for this device (CUDA, compute capability >= 8.9)."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -103,16 +87,18 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return cap >= (8, 9)
 
 
-def uses_scaled_mm(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether :func:`fp8_linear` takes the fp8 GEMM for these operands (else the twin)."""
+def uses_fp8_gemm(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` takes the Triton GEMM for these operands (else the twin)."""
     return (x.is_cuda and q.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and q.shape[0] % ALIGN == 0 and q.shape[1] % ALIGN == 0 and scaled_mm_supported(x.device))
+            and fp8_gemm_supported(x.device))
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for ``W = q * scale`` (per row): the fp8 GEMM where it runs, else the twin."""
-    if uses_scaled_mm(x, q):
-        return scaled_mm_linear(x, q, scale)
+    """``x @ W.T`` for ``W = q * scale`` (per row): the Triton GEMM where it runs, else the twin."""
+    if uses_fp8_gemm(x, q):
+        from ..kernels.fp8_gemm import fp8_gemm
+
+        return fp8_gemm(x, q, scale)
     return reference_linear(x, q, scale)
 
 

@@ -1,7 +1,7 @@
 """FP8 drafter matrices: the quantization's error bound, the twin against a float reference of the
 dequantized matrix, a drafter-wide dtype change leaving the e4m3 values alone, and the
-``weights`` setting's refusal of other values. On a CUDA GPU of compute capability 8.9 and up,
-the fp8 GEMM against the twin, eagerly and replayed from a CUDA graph."""
+``weights`` setting's refusal of other values. The Triton GEMM that serves on a GPU is tested
+against the twin in ``tests/kernels/test_fp8_gemm.py``."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from sgl_longgen.core.fp8 import (
     E4M3_MAX,
     Fp8Linear,
     dequantize,
+    fp8_gemm_supported,
     fp8_linear,
     linear,
     quantize,
     quantize_linears,
     reference_linear,
-    scaled_mm_linear,
-    scaled_mm_supported,
-    uses_scaled_mm,
+    uses_fp8_gemm,
 )
 from sgl_longgen.errors import LonggenError
 
@@ -77,16 +76,18 @@ def test_the_twin_is_a_float_matmul_by_the_dequantized_matrix(dtype):
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))  # a plain matrix: F.linear
 
 
-def test_the_fp8_gemm_serves_only_where_cublas_has_it(monkeypatch):
-    """On a CPU (torch's CPU ``_scaled_mm`` takes per-tensor scales only) the twin always serves."""
+def test_the_twin_serves_on_a_cpu(monkeypatch):
+    """The Triton GEMM is for CUDA devices only: on a CPU the twin always serves."""
+    from sgl_longgen.kernels import fp8_gemm
+
     layer = Fp8Linear.quantize(matrix(32, 32))
     x = torch.randn(4, 32, dtype=torch.bfloat16)
-    assert not scaled_mm_supported(torch.device("cpu")) and not uses_scaled_mm(x, layer.weight)
+    assert not fp8_gemm_supported(torch.device("cpu")) and not uses_fp8_gemm(x, layer.weight)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("_scaled_mm called on a CPU")
+        raise AssertionError("the Triton GEMM called on a CPU")
 
-    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm", refuse)
     assert torch.equal(fp8_linear(x, layer.weight, layer.scale), reference_linear(x, layer.weight, layer.scale))
 
 
@@ -121,61 +122,3 @@ def test_a_drafter_directorys_bad_weights_setting_names_the_file(tmp_path):
     (tmp_path / "longgen.toml").write_text('[owl]\nweights = "int8"\n')
     with pytest.raises(LonggenError, match=r"longgen.toml.*'int8'.*\$\.owl\.weights"):
         read_defaults(tmp_path)
-
-
-# ------------------------------------------------------------------------------------------------
-# the fp8 GEMM (CUDA, compute capability >= 8.9)
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-# The GEMM differs from the twin by the activations' e4m3 rounding (about 3% of each product, in
-# relative RMS; it averages out over a row) and the bf16 result: relative Frobenius error <= 6%.
-# Against an emulation with the activations quantized the same way only the accumulation order
-# and the bf16 result differ: 1% of the output's scale.
-TWIN_RTOL = 6e-2
-EMULATED_TOL = 1e-2
-
-
-def _needs_fp8_gemm():
-    if not scaled_mm_supported(torch.device("cuda")):
-        pytest.skip("the fp8 GEMM needs compute capability 8.9 or newer")
-
-
-@gpu
-@pytest.mark.parametrize("rows", [1, 10, 16, 40])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_fp8_gemm_matches_the_twin(rows, dtype):
-    _needs_fp8_gemm()
-    from sgl_longgen.core.fp8 import _quantize_rows
-
-    layer = Fp8Linear.quantize(matrix(4096, 1024, seed=4)).cuda()
-    x = torch.randn(2, rows, 1024, generator=torch.Generator().manual_seed(5)).to("cuda", dtype)
-    assert uses_scaled_mm(x, layer.weight)
-    out = layer(x)
-    assert out.dtype == dtype and out.shape == (2, rows, 4096)
-    twin = reference_linear(x.float(), layer.weight, layer.scale)
-    rel = (out.float() - twin).norm() / twin.norm()
-    print(f"fp8 GEMM vs twin, {rows} rows, {dtype}: relative error {rel:.4f}")
-    assert rel <= TWIN_RTOL
-    xq, x_scale = _quantize_rows(x.reshape(-1, 1024).float())
-    emulated = ((xq.float() * x_scale[:, None]) @ layer.dequantize().T).view_as(twin)
-    torch.testing.assert_close(out.float(), emulated, rtol=EMULATED_TOL, atol=EMULATED_TOL * emulated.abs().max().item())
-
-
-@gpu
-def test_the_fp8_gemm_replays_from_a_cuda_graph():
-    _needs_fp8_gemm()
-    layer = Fp8Linear.quantize(matrix(512, 256, seed=6)).cuda()
-    x = torch.randn(10, 256, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x)  # warm-up off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x)
-    for seed in (7, 8):
-        x.copy_(torch.randn(10, 256, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
-        graph.replay()
-        torch.testing.assert_close(out, scaled_mm_linear(x, layer.weight, layer.scale), rtol=0, atol=0)

@@ -1,0 +1,166 @@
+"""The weight-only fp8 GEMM (compiled on a GPU, interpreted on a CPU) against its PyTorch twin,
+``reference_linear`` of the float32 activations: row counts 1 to 64 (padded to the tile by masks),
+matrices that fill their tiles and ones that do not, K split and not. On a CUDA GPU also the
+drafters' shapes, ``Fp8Linear`` taking the kernel, and a CUDA-graph replay of it.
+
+Tolerance: e4m3 values are exact in bf16 and fp16, so every product is exact in float32 and the
+kernel differs from the float32 twin only by the order of the float32 sums (and the split's
+partial sums) and by the final rounding to the activations' dtype: ``rtol`` is one unit in that
+dtype's last place (float32: 1e-5; the GPU rounds to nearest, half a unit, but the interpreter's
+casts truncate), ``atol`` 1e-5 of the largest output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_longgen.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, fp8_gemm_config
+
+from sgl_longgen.core.fp8 import (
+    Fp8Linear,
+    fp8_gemm_supported,
+    quantize,
+    reference_linear,
+    uses_fp8_gemm,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+if DEVICE == "cuda" and not fp8_gemm_supported(torch.device("cuda")):
+    pytest.skip("Triton's e4m3 conversions need compute capability 8.9 or newer", allow_module_level=True)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def operands(m: int, n: int, k: int, dtype=torch.float32, seed: int = 0, device=DEVICE):
+    """``x [m, k]`` and a quantized ``[n, k]`` matrix whose rows differ in magnitude (so the per-row
+    scale matters), one of them all zeros (scale 1)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]
+    w[n // 3] = 0.0
+    q, scale = quantize(w)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    return x.to(device), q.to(device), scale.to(device)
+
+
+def assert_twin(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    twin = reference_linear(x.float(), q, scale)
+    assert out.dtype == x.dtype and out.shape == twin.shape
+    torch.testing.assert_close(out.float(), twin, rtol=RTOL[x.dtype], atol=1e-5 * twin.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize("n,k", [(128, 512), (80, 400), (37, 100)])
+@pytest.mark.parametrize("split_k", [1, 3, None])
+def test_the_kernel_is_its_twin(m, n, k, split_k):
+    """(128, 512) fills whole tiles; (80, 400) leaves partial row and K tiles (multiples of 16 all
+    the same); (37, 100) is odd everywhere. ``split_k`` 3 splits K unevenly."""
+    x, q, scale = operands(m, n, k, seed=m + n + k)
+    assert_twin(fp8_gemm(x, q, scale, split_k=split_k), x, q, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_half_precision_activations_differ_from_the_twin_by_their_rounding_only(dtype, split_k):
+    x, q, scale = operands(16, 192, 512, dtype=dtype, seed=1)
+    assert_twin(fp8_gemm(x, q, scale, split_k=split_k), x, q, scale)
+
+
+def test_leading_dims_and_a_strided_activation():
+    x, q, scale = operands(2 * 3 * 7, 64, 96, seed=2)
+    wide = torch.cat([x, x], dim=-1)[:, ::2]  # non-unit column stride: the kernel takes a copy
+    assert torch.equal(wide, torch.cat([x, x], dim=-1)[:, ::2])
+    out = fp8_gemm(wide.view(2, 3, 7, 96), q, scale, split_k=2)
+    assert out.shape == (2, 3, 7, 64)
+    assert_twin(out.view(-1, 64), wide, q, scale)
+    rows = x[::3]  # a row stride of its own: read in place
+    assert_twin(fp8_gemm(rows, q, scale), rows, q, scale)
+
+
+def test_a_split_sums_the_same_bits_on_every_call():
+    x, q, scale = operands(5, 96, 1024, seed=3)
+    first = fp8_gemm(x, q, scale, split_k=4)
+    assert torch.equal(first, fp8_gemm(x, q, scale, split_k=4))
+    torch.testing.assert_close(first, fp8_gemm(x, q, scale, split_k=1), rtol=1e-5, atol=1e-5 * first.abs().max().item())
+
+
+def test_empty_operands():
+    x, q, scale = operands(0, 32, 64)
+    assert fp8_gemm(x, q, scale).shape == (0, 32)
+    q = torch.zeros(32, 0, dtype=torch.float8_e4m3fn, device=DEVICE)
+    out = fp8_gemm(torch.randn(3, 0, device=DEVICE), q, torch.ones(32, device=DEVICE))
+    assert torch.equal(out, torch.zeros(3, 32, device=DEVICE))
+
+
+def test_other_operands_are_refused():
+    x, q, scale = operands(2, 32, 64)
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_gemm(x, q.float(), scale)
+    with pytest.raises(ValueError, match="activations"):
+        fp8_gemm(x.double(), q, scale)
+    with pytest.raises(ValueError, match="columns"):
+        fp8_gemm(x[:, :32], q, scale)
+
+
+def test_the_table_picks_tiles_by_rows_and_splits_only_short_grids():
+    """For an H100 (132 SMs): a 4096-row matrix (64 row blocks) is split four ways at every row
+    count; 14336 rows or more (224+ blocks) are not; a split never leaves fewer than four K steps."""
+    assert [fp8_gemm_config(m, 4096, 4096, 132).block_m for m in (1, 16, 17, 32, 33, 64, 200)] == [16, 16, 32, 32, 64, 64, 64]
+    for m in (1, 4, 16, 64):
+        assert fp8_gemm_config(m, 4096, 14336, 132).split_k == 4
+        for n, k in [(14336, 4096), (16384, 8192), (32768, 4096), (128256, 4096)]:
+            assert fp8_gemm_config(m, n, k, 132).split_k == 1
+    cfg = fp8_gemm_config(1, 64, 2048, 132)
+    assert 2048 // cfg.split_k >= 4 * cfg.block_k
+    assert fp8_gemm_config(1, 64, 2048, 132, split_k=3).split_k == 3
+    with pytest.raises(ValueError, match="split_k"):
+        fp8_gemm_config(1, 64, 2048, 132, split_k=0)
+
+
+def test_a_given_config_is_used():
+    x, q, scale = operands(3, 48, 160, seed=4)
+    cfg = Fp8GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1, split_k=2)
+    assert_twin(fp8_gemm(x, q, scale, config=cfg), x, q, scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the compiled kernel at the drafters' shapes, through Fp8Linear, and in a CUDA graph
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("n,k", [(16384, 8192), (4096, 14336), (32768, 4096)])
+def test_the_compiled_kernel_is_its_twin_at_the_drafters_shapes(m, n, k):
+    x, q, scale = operands(m, n, k, dtype=torch.bfloat16, seed=m)
+    assert_twin(fp8_gemm(x, q, scale), x, q, scale)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_linear_takes_the_kernel_on_cuda(dtype):
+    x, q, scale = operands(10, 1024, 512, dtype=dtype, seed=5)
+    layer = Fp8Linear(q, scale)
+    assert uses_fp8_gemm(x, q)
+    out = layer(x.view(2, 5, 512))
+    assert torch.equal(out.view(10, 1024), fp8_gemm(x, q, scale))
+    assert_twin(out.view(10, 1024), x, q, scale)
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (512, 8192)])  # no split; split (a workspace inside the capture)
+def test_the_kernel_replays_from_a_cuda_graph(n, k):
+    x, q, scale = operands(10, n, k, dtype=torch.bfloat16, seed=6)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_gemm(x, q, scale)  # compiled off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemm(x, q, scale)
+    for seed in (7, 8):
+        x.copy_(torch.randn(10, k, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
+        graph.replay()
+        torch.testing.assert_close(out, fp8_gemm(x, q, scale), rtol=0, atol=0)
+        assert_twin(out, x, q, scale)
