@@ -16,6 +16,10 @@ that share a ``--cascade-shared``-token prompt (the same pool slots, as SGLang's
 them), each with ``--cascade-own`` tokens of its own, per prefix path: the whole batch without
 and with the cascade (the shared prefix read once for the batch), against one request alone.
 
+A fourth, ``fp8-gemm`` (only on request), times the drafters' matrices (``FP8_SHAPES``) times 1-64
+rows: bf16 ``F.linear`` against the weight-only fp8 GEMM of ``kernels/fp8_gemm.py``, with the GB/s
+of the matrix each reads.
+
 Both tables also time the hybrid verify with the verification-guided selection scores
 (``run(scores=...)``, TOKENSWIFT's ``partial_kv.policy = "verify"``) on the Triton and FA3 prefix
 paths: ``scores`` lines give the time with them and the overhead over the same path without.
@@ -26,6 +30,7 @@ Usage (GPU host)::
     python -m sgl_longgen.bench.kernels --json out.json      # also write every number
     python -m sgl_longgen.bench.kernels --mode attention --tune   # + a sweep of Triton tiles
     python -m sgl_longgen.bench.kernels --mode cascade       # 8 requests sharing a 32K prompt, T=64
+    python -m sgl_longgen.bench.kernels --mode fp8-gemm      # the drafters' fp8 GEMMs vs bf16, 1-64 rows
 
 The first run compiles FlashInfer's kernels (about two minutes); later runs reuse its cache.
 """
@@ -438,19 +443,60 @@ def step_table(contexts, trees, device, num_layers, rows: List[Dict], profile_di
     torch.cuda.empty_cache()
 
 
+# -------------------------------------------------------------------------- fp8 GEMM table
+# The drafters' matrices (N x K): LSTM projections, LongSpec's block (MLP up/gate, down), the
+# reduced and the full head.
+FP8_SHAPES = ((16384, 8192), (32768, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
+
+
+def fp8_gemm_table(row_counts, device, rows: list[dict]) -> None:
+    """Each drafter matrix times ``m`` rows: bf16 ``F.linear`` against the weight-only fp8 GEMM,
+    both replayed from CUDA graphs (as the drafters run them); GB/s is the matrix's bytes (bf16:
+    2 per entry, fp8: 1 plus its scales) over the time, ``err`` the fp8 GEMM's relative error
+    against its float32 twin."""
+    import torch.nn.functional as F
+
+    from ..core.fp8 import quantize, reference_linear
+    from ..kernels.fp8_gemm import fp8_gemm, fp8_gemm_config, num_sms
+
+    g = torch.Generator(device=device).manual_seed(4)
+    for n, k in FP8_SHAPES:
+        w = torch.randn(n, k, device=device, dtype=DTYPE, generator=g) * 0.02
+        q, scale = quantize(w)
+        for m in row_counts:
+            x = torch.randn(m, k, device=device, dtype=DTYPE, generator=g)
+            bf16_us, m1 = time_graph_us(lambda x=x, w=w: F.linear(x, w))
+            fp8_us, m2 = time_graph_us(lambda x=x, q=q, scale=scale: fp8_gemm(x, q, scale))
+            twin = reference_linear(x.float(), q, scale)
+            err = ((fp8_gemm(x, q, scale).float() - twin).norm() / twin.norm()).item()
+            cfg = fp8_gemm_config(m, n, k, num_sms(x.device))
+            bf16_gbs, fp8_gbs = 2 * n * k / bf16_us / 1e3, (n * k + 4 * n) / fp8_us / 1e3
+            row = {"table": "fp8_gemm", "m": m, "n": n, "k": k, "bf16_us": bf16_us, "fp8_us": fp8_us,
+                   "bf16_GBps": bf16_gbs, "fp8_GBps": fp8_gbs, "fp8_err": err, "config": dataclasses.asdict(cfg),
+                   "timing": f"{m1}/{m2}"}
+            rows.append(row)
+            print(f"{n:6d} x {k:5d} m {m:3d} | bf16 {bf16_us:8.1f} us {bf16_gbs:6.0f} GB/s | fp8 {fp8_us:8.1f} us "
+                  f"{fp8_gbs:6.0f} GB/s ({bf16_us / fp8_us:4.2f}x) split {cfg.split_k} err {err:.1e} | "
+                  f"{row['timing']}", flush=True)
+        del w, q, scale
+        torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     global NUM_Q_HEADS, NUM_KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="4096,32768,98304", help="prefix lengths")
     parser.add_argument("--trees", default="16,64,121", help="draft tree sizes T")
-    parser.add_argument("--mode", choices=("all", "attention", "step", "cascade"), default="all")
+    parser.add_argument("--mode", choices=("all", "attention", "step", "cascade", "fp8-gemm"), default="all",
+                        help="all: the attention, cascade and step tables; fp8-gemm: the drafters' fp8 GEMMs alone")
     parser.add_argument("--cascade-batch", type=int, default=8, help="requests sharing the prompt (cascade table)")
     parser.add_argument("--cascade-shared", type=int, default=32768, help="shared prompt tokens (cascade table)")
     parser.add_argument("--cascade-own", type=int, default=0, help="tokens of each request's own (cascade table)")
     parser.add_argument("--cascade-trees", default="64", help="draft tree sizes T of the cascade table")
     parser.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (step table)")
     parser.add_argument("--tune", action="store_true", help="sweep Triton prefix tiles (attention table)")
+    parser.add_argument("--fp8-rows", default="1,4,16,64", help="rows of the activations (fp8-gemm table)")
     parser.add_argument("--json", help="write all numbers to this file")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="step table: per-kernel totals of the AR and hybrid steps' graph replays into DIR")
@@ -485,6 +531,10 @@ def main(argv=None) -> int:
         print(f"# cascade: {args.cascade_batch} requests sharing a {args.cascade_shared}-token prompt, one layer "
               "(us; x = over one request alone; err = max|cascade - no cascade|)", flush=True)
         cascade_table(args.cascade_batch, args.cascade_shared, args.cascade_own, cascade_trees, device, rows)
+    if args.mode == "fp8-gemm":
+        print("# weight-only fp8 GEMM vs bf16 F.linear, the drafters' matrices, CUDA graphs "
+              "(us; GB/s of the matrix read)", flush=True)
+        fp8_gemm_table([int(x) for x in args.fp8_rows.split(",")], device, rows)
     if args.mode in ("all", "step"):
         print(f"# whole forward step, synthetic Llama-3.1-8B, {args.layers} layers, CUDA graphs (ms)", flush=True)
         if args.profile is not None:
