@@ -34,6 +34,29 @@ from .inputs import TreeVerifyInput
 from .requests import StepRequest
 
 
+def sampled_groups(steps: list[StepRequest], skip: set[int],
+                   no_bias: bool) -> list[tuple[list[int], object, torch.Generator | None]]:
+    """Requests (two or more) whose draws can be taken in one call: sampled, nothing of SGLang's
+    processing on their rows (no blocker, no logit bias), no contextual penalty (whose window is
+    each node's own path), the same settings and the same generator (requests without a seed share
+    the table's). Each node's token is still drawn from its own row's distribution with noise of
+    its own (:func:`~sgl_longgen.core.sampling.exponential_race` over the rows together), so the
+    law is the per-request draw's; what changes is the launches: a batch's plain step, one row per
+    request, draws in one call instead of one per request between two forwards. Drawing at every
+    row of the padded width, where a request walks fewer, costs noise nobody reads. A request's
+    own seed keeps its own generator and its own draw (its sample stays pinned by the seed)."""
+    if not no_bias:
+        return []
+    groups: dict[tuple, list[int]] = {}
+    for b, step in enumerate(steps):
+        if b in skip or step.blocker is not None or step.sampling.greedy or step.sampling.penalty_active:
+            continue
+        key = (id(step.state.generator), msgspec.structs.astuple(step.sampling))
+        groups.setdefault(key, []).append(b)
+    return [(members, steps[members[0]].sampling, steps[members[0]].state.generator)
+            for members in groups.values() if len(members) > 1]
+
+
 @dataclass
 class VerifyWindows:
     """Verify inputs known before the tries: slots and the FULL custom mask's prefix part."""
@@ -222,8 +245,14 @@ class Verifier:
         draws = torch.full((bs, n), -2, dtype=torch.int64, device=logits.device)  # no token, no walk token
         if shared:
             draws[shared] = proc.sample(logits[shared].flatten(0, 1)).view(len(shared), n)
+        done = set(shared)
+        for members, sampling, generator in sampled_groups(steps, done, info.logit_bias is None):
+            rows = logits if len(members) == bs else logits[members]
+            draws[members] = LogitsProcessor(sampling, vocab).sample(rows.flatten(0, 1), None, generator).view(
+                len(members), n)
+            done.update(members)
         for b, (step, draft) in enumerate(zip(steps, drafts)):
-            if b in shared:
+            if b in done:
                 continue
             if step.blocker is not None:
                 # Any penalty is already in SGLang's processing of the root.
