@@ -67,11 +67,13 @@ DRAFTING_FAILED = "drafting failed"
 # The scheduler's and the host's time per call (1-3 ms) is spread over this many tokens. A plain
 # step that only measures (or refreshes) the plain cost between speculative steps stays one token
 # (its controllers allow one: AdaptiveSteps.plain_run_limit); a stretch where nothing pays runs
-# PLAIN_RUN at a time, up to the next due probe. After a prefill the runs grow again from one token,
-# doubling with each plain call: SGLang admits a waiting request only between two calls, so a
-# burst of arrivals is admitted at plain decoding's pace (one token per running request between
-# two prefills) instead of a run apart, and the requests of the burst decode together to the end
-# instead of in turns.
+# PLAIN_RUN at a time, up to the next due probe. Runs grow again from one token, doubling with each
+# plain call, after a prefill (SGLang admits a waiting request only between two calls, so a burst
+# of arrivals is admitted at plain decoding's pace, one token per running request between two
+# prefills, instead of a run apart, and its requests decode together to the end instead of in
+# turns) and after speculative steps that were not a probe (where drafts just stopped paying, the
+# method's hint is asked again within a few tokens, once per call, and a loop the last drafts
+# missed is taken up early).
 PLAIN_RUN = 32
 
 
@@ -208,6 +210,8 @@ class SpecWorker(BaseSpecWorker):
         run = 1 if speculate else self._plain_run_length(batch, steps)
         if not speculate:
             self._run_cap = min(PLAIN_RUN, 2 * self._run_cap)
+        elif not self.adaptive.probing():  # a probe inside a plain stretch does not restart its runs
+            self._run_cap = 1
         if run > 1:
             return self._plain_run(batch, steps, run, on_publish)
         if speculate:
