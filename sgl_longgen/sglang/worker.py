@@ -271,9 +271,9 @@ class SpecWorker(BaseSpecWorker):
         """Plain steps this call may queue back to back: 1 where a token needs the host before the
         next one is drawn (our contextual penalty's window, SGLang's own processing of a blocked
         request, logprobs or hidden states returned per token), else :data:`PLAIN_RUN` (fewer
-        right after a prefill: see there), at most the verify width, every request's remaining budget and the plain steps its controller
-        allows before its next probe (one where a plain step only measures or refreshes the plain
-        cost)."""
+        right after a prefill or a speculative step: see there), at most the verify width, every
+        request's remaining budget and the plain steps its controller allows before its next probe
+        (one where a plain step only measures or refreshes the plain cost)."""
         if batch.return_logprob:
             return 1
         run = min(self._run_cap, self.num_nodes, self.adaptive.plain_run_limit(steps))
