@@ -40,6 +40,8 @@ the peer), ``--algorithms`` in turn:
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-draft-vocab 32768
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --drafter-weights bf16 fp8
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8
+    python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms OWL --draft-tokens 32 \
+        --drafter-tree-size 15 --spec-drafter-weights fp8  # a narrower OWL tree (32 verify rows), fp8 drafter
 """
 
 from __future__ import annotations
@@ -121,6 +123,17 @@ def make_owl_drafter(root: Path, width: int, draft_vocab: int, config: dict = LL
     out = root / (f"owl-{width}x{draft_vocab}" if config is LLAMA_8B else f"owl-{width}x{draft_vocab}-{vocab}v")
     drafter.save(out)
     return out
+
+
+def set_drafter_defaults(draft: Path, algorithm: str, tree_size: int | None, weights: str) -> None:
+    """The spec phase's drafter settings in the drafter directory's ``longgen.toml`` (OWL and HOWL:
+    ``[owl]``, LONGSPEC: ``[longspec]``): the tree size (verify rows: see the method's config) and
+    the drafter's weights."""
+    section = "longspec" if algorithm == "LONGSPEC" else "owl"
+    lines = [f"[{section}]", f'weights = "{weights}"']
+    if tree_size is not None:
+        lines.append(f"tree_size = {tree_size}")
+    (draft / "longgen.toml").write_text("\n".join(lines) + "\n")
 
 
 def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512, name: str = "longspec") -> Path:
@@ -515,10 +528,15 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     if "plain_outputs" not in report:
         raise SystemExit("run --phase plain first (same --out)")
     tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
+    if args.algorithm in ("OWL", "HOWL", "LONGSPEC"):
+        tag += (f"_t{args.drafter_tree_size}" if args.drafter_tree_size else "") + (
+            f"_{args.spec_drafter_weights}" if args.spec_drafter_weights != "bf16" else "")
     result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
                     "cuda_graph": not args.no_cuda_graph}
     if args.algorithm in ("OWL", "HOWL", "LONGSPEC"):
-        result["drafter"] = draft.name
+        set_drafter_defaults(draft, args.algorithm, args.drafter_tree_size, args.spec_drafter_weights)
+        result.update(drafter=draft.name, drafter_tree_size=args.drafter_tree_size,
+                      drafter_weights=args.spec_drafter_weights)
     profile_path = None
     if args.host_profile:
         profile_path = Path(tempfile.mkdtemp(prefix="longgen_host_profile_")) / "steps.prof"
@@ -726,6 +744,12 @@ def parser() -> argparse.ArgumentParser:
                         "(OWL/HOWL: a random drafter of --owl-width[0] and --owl-draft-vocab; LONGSPEC: a random "
                         "drafter block, window 512; NGRAM: SGLang's own, the peer; its --draft-tokens is "
                         "--ngram-draft-tokens)")
+    p.add_argument("--drafter-tree-size", type=int, default=None, metavar="N",
+                   help="spec phase, OWL/HOWL/LONGSPEC: draft nodes per tree (the drafter directory's [owl] / "
+                        "[longspec] tree_size; OWL verifies 2N + 2 rows with [SPEC], so --draft-tokens must hold "
+                        "them; default: the method's)")
+    p.add_argument("--spec-drafter-weights", choices=("bf16", "fp8"), default="bf16",
+                   help="spec phase, OWL/HOWL/LONGSPEC: the drafter's weights ([owl] / [longspec] weights)")
     p.add_argument("--ngram-draft-tokens", type=int, default=16, help="speculative_num_draft_tokens of NGRAM")
     p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
     p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",

@@ -471,6 +471,11 @@ class GraphedExpand:
         self._run = GraphedFunction(run) if (fast is not None or compile) else self._plain
         self._cuda_only = fast is not None  # fused kernels; a compiled eager beam runs anywhere
 
+    def ready(self, batch_size: int) -> bool:
+        """Whether a beam of ``batch_size`` rows replays without a capture first (a CUDA graph of
+        that size exists): a runtime queuing the beam on a stream of its own captures nothing there."""
+        return any(key[0][0][0] == batch_size for key in self._run.graphs)
+
     def __call__(self, h_last: torch.Tensor, roots, h_spec: torch.Tensor | None = None,
                  has_spec=None) -> DraftBeam:
         w = self.drafter.embedding.weight

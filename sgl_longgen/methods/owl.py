@@ -87,25 +87,41 @@ class Owl:
 
     # -- the step ------------------------------------------------------------------------------
 
+    @staticmethod
+    def tree_rows(routes: Sequence[Route | None]) -> list[int]:
+        """The batch rows whose round drafts an OWL tree (they share one beam)."""
+        return [b for b, r in enumerate(routes) if r is not None and not r.linear]
+
+    def beam(self, states: Sequence[OwlState], roots: Sequence[int], routes: Sequence[Route | None]) -> DraftBeam:
+        """The drafter's beam for the tree rounds of a batch (rows :meth:`tree_rows`, in order).
+
+        A function of the committed state alone: a runtime may expand it as soon as the last step
+        was observed (ahead of the next step) and hand it to :meth:`propose`.
+        """
+        lstm = self.tree_rows(routes)
+        h_last = torch.stack([states[b].h_last for b in lstm])
+        has_spec = [routes[b].use_spec for b in lstm]
+        h_spec = None
+        if any(has_spec):
+            h_spec = torch.stack([states[b].h_spec if use else torch.zeros_like(states[b].h_last)
+                                  for b, use in zip(lstm, has_spec)])
+        return self.expand(h_last, [roots[b] for b in lstm], h_spec, has_spec)
+
     def propose(self, rids: Sequence[Hashable], states: Sequence[OwlState], roots: Sequence[int],
-                routes: Sequence[Route | None], max_nodes: int | None = None) -> list[Draft]:
+                routes: Sequence[Route | None], max_nodes: int | None = None,
+                beam: DraftBeam | None = None) -> list[Draft]:
         """One draft per request; the tree rounds of the batch share one beam. ``max_nodes``: each
         trie cut to its first that many nodes, the root included (a tree round keeps its beam's
         shallow levels, a linear round its chain's first ``max_nodes - 1`` tokens). [SPEC] leaves
         come on top of the cut: an engine passing its verify width in rows cuts no tree whose
-        nodes and leaves fit that width."""
+        nodes and leaves fit that width. ``beam``: :meth:`beam` of these very states, roots and
+        routes, expanded ahead (None: expanded here)."""
         drafts = [Draft(DraftTree(root), route=route) for root, route in zip(roots, routes)]
-        lstm = [b for b, r in enumerate(routes) if r is not None and not r.linear]
+        lstm = self.tree_rows(routes)
         if lstm:
-            h_last = torch.stack([states[b].h_last for b in lstm])
-            has_spec = [routes[b].use_spec for b in lstm]
-            h_spec = None
-            if any(has_spec):
-                h_spec = torch.stack([states[b].h_spec if use else torch.zeros_like(states[b].h_last)
-                                      for b, use in zip(lstm, has_spec)])
-            lstm_roots = [roots[b] for b in lstm]
-            beam = self.expand(h_last, lstm_roots, h_spec, has_spec)
-            for b, tree in zip(lstm, beam_trees(beam, lstm_roots, max_nodes)):
+            if beam is None:
+                beam = self.beam(states, roots, routes)
+            for b, tree in zip(lstm, beam_trees(beam, [roots[b] for b in lstm], max_nodes)):
                 drafts[b].tree = tree
         for b, (rid, draft, route) in enumerate(zip(rids, drafts, routes)):
             if route is None:

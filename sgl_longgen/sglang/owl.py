@@ -12,6 +12,11 @@ captured with SGLang's verify CUDA graphs (SGLang's own ``replace_embeds`` overr
 replayed from a graph). Its KV slots are never accepted, so the commit drops them with the other
 rejected nodes.
 
+The next step's beam is expanded as soon as a step was observed, on a stream of its own
+(:mod:`.pipeline`): it reads only the committed states, so it computes while SGLang's scheduler is
+between steps instead of at the start of the next step, which would wait for it. The next step
+takes it if its batch and its requests' routes are the ones it was expanded for.
+
 With ``[owl] weights = "fp8"`` in the drafter directory's ``longgen.toml`` the drafter's
 projections and head are quantized once here (:mod:`sgl_longgen.core.fp8`) and every beam, the
 graphed fused one included, multiplies by them through the fp8 GEMM (lossless: only the drafts
@@ -19,6 +24,8 @@ change).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -29,6 +36,7 @@ from ..errors import LonggenError
 from ..methods import Draft, Howl, Owl
 from .draft_dir import inspect_owl_draft_dir
 from .drafter import Drafter, Shadow
+from .pipeline import DraftPipeline, batch_key, likely_finishes
 from .requests import PenaltyDefaults, StepRequest
 
 SPEC_INPUT_ID = 0  # any valid id: the row's embedding is replaced by the [SPEC] vector
@@ -96,9 +104,10 @@ class OwlDrafter(Drafter):
         fused = None
         if env.device.type == "cuda" and o.beam == "fused":
             from ..kernels.owl_beam import fused_expand as fused
-        beam = GraphedExpand(self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size, fast=fused,
-                             compile=o.beam == "compiled")
-        self.method = self._method(draft.defaults, beam)
+        self.beam = GraphedExpand(self.drafter, top_k=o.top_k, depth=o.depth, tree_size=o.tree_size, fast=fused,
+                                  compile=o.beam == "compiled")
+        self.method = self._method(draft.defaults, self.beam)
+        self.pipeline = DraftPipeline(env.device)  # the next step's beam, expanded ahead
         sampling = draft.defaults.sampling
         self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
         self.prefill_states: dict[str, torch.Tensor] = {}
@@ -124,20 +133,30 @@ class OwlDrafter(Drafter):
         self.prefill_states.pop(rid, None)
         self.method.finish(rid)
 
-    def reset(self) -> None:
-        self.method.reset()
-
     # -- the step --------------------------------------------------------------------------------
+
+    def _routes(self, steps: list[StepRequest]) -> list:
+        chain = self.env.num_nodes - 1  # a linear round's chain fills the verify width
+        return [None if step.blocker is not None
+                else self.method.route(step.state.method, step.rid, step.history, chain) for step in steps]
 
     @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
+        clock = self.env.clock
+        queued = self.pipeline.take(batch_key(steps))
         shadow()
-        chain = self.env.num_nodes - 1  # a linear round's chain fills the verify width
-        routes = [None if step.blocker is not None
-                  else self.method.route(step.state.method, step.rid, step.history, chain) for step in steps]
-        self.env.clock.note("linear_steps", float(sum(r is not None and r.linear for r in routes)))
+        routes = self._routes(steps)
+        beam = None
+        if queued is not None:
+            rows, beam = queued.candidates
+            if rows != self.method.tree_rows(routes):  # a request's route changed since: expand afresh
+                beam = None
+            elif queued.done is not None:
+                torch.cuda.current_stream().wait_event(queued.done)
+        clock.note("draft_queued_ahead", float(beam is not None))
+        clock.note("linear_steps", float(sum(r is not None and r.linear for r in routes)))
         return self.method.propose([s.rid for s in steps], [s.state.method for s in steps], [s.root for s in steps],
-                                   routes, self.env.num_nodes)
+                                   routes, self.env.num_nodes, beam)
 
     def before_verify(self, batch, steps: list[StepRequest], drafts: list[Draft]) -> None:
         n = self.env.num_nodes
@@ -159,6 +178,43 @@ class OwlDrafter(Drafter):
             last = verdict.nodes[-1]
             h_spec = hidden[b, draft.leaves[last]].clone() if draft.leaves else None
             self.method.observe(step.state.method, step.rid, draft, verdict, hidden[b, last].clone(), h_spec)
+
+    @torch.no_grad()
+    def after_commit(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> None:
+        """Expand the next step's beam now, on the draft stream: it reads only the states just
+        observed, so it computes while SGLang's scheduler is between steps (the next step takes it
+        if its batch and routes are the same). Not for a request about to finish, nor on a GPU
+        before the beam's graph of this size exists (no capture on that stream)."""
+        self.pipeline.drop()
+        if any(likely_finishes(step.req, verdict.tokens) for step, verdict in zip(steps, verdicts)):
+            return
+        nxt = [replace(step, seq_len=step.seq_len + len(v.tokens)) for step, v in zip(steps, verdicts)]
+        routes = self._routes(nxt)
+        rows = self.method.tree_rows(routes)
+        stream = self.pipeline.stream
+        if not rows or (stream is not None and not self.beam.ready(len(rows))):
+            return
+        states, roots = [s.state.method for s in nxt], [s.root for s in nxt]
+        done = None
+        if stream is None:
+            beam = self.method.beam(states, roots, routes)
+        else:
+            stream.wait_stream(torch.cuda.current_stream())  # the observed states are written there
+            with torch.cuda.stream(stream):
+                beam = self.method.beam(states, roots, routes)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.pipeline.keep(batch_key(nxt), ((rows, beam), done, None))
+
+    def before_forward(self) -> None:
+        self.pipeline.wait()
+
+    def drop_queued(self) -> None:
+        self.pipeline.reset()
+
+    def reset(self) -> None:
+        self.pipeline.reset()
+        self.method.reset()
 
 
 class HowlDrafter(OwlDrafter):

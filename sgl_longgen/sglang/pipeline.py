@@ -1,6 +1,7 @@
 """The one draft forward queued ahead of the step that will use it.
 
-A TokenSwift draft depends only on the committed KV, the root and the partial-KV selection, so
+A draft that needs only what is committed can run before its step: OWL's beam reads the
+committed hidden states, so it is expanded as soon as the host has observed a step. A TokenSwift draft depends only on the committed KV, the root and the partial-KV selection, so
 it can start as soon as a step's commit is queued: on the device right behind the commit (a
 *chained* draft, whose inputs come from the walk without the host) or, once the host has walked
 the trees, at the end of the step (*ahead*). Either way the next step uses it only if its batch
@@ -22,7 +23,7 @@ import torch
 @dataclass
 class QueuedDraft:
     key: tuple  # (rid, req_pool_idx, seq_len) per request: the step that may use it
-    candidates: torch.Tensor
+    candidates: object  # the draft's device results (TokenSwift's candidates, OWL's tree rows and beam)
     done: torch.cuda.Event | None  # recorded on the draft's stream after it (GPU)
     gpu_span: list | None  # the forward's CUDA events (timed steps)
 
@@ -30,6 +31,24 @@ class QueuedDraft:
 def batch_key(steps, lengths=None) -> tuple:
     lengths = lengths if lengths is not None else [s.seq_len for s in steps]
     return tuple((s.req.rid, s.req.req_pool_idx, n) for s, n in zip(steps, lengths))
+
+
+def likely_finishes(req, tokens: list[int]) -> bool:
+    """The scheduler will finish ``req`` on these tokens (length or a stop token id).
+
+    A draft queued for a finished request is only wasted device time, so this need not be
+    complete (stop strings are not checked).
+    """
+    if len(req.output_ids) + len(tokens) >= req.sampling_params.max_new_tokens:
+        return True
+    if req.sampling_params.ignore_eos:
+        return False
+    stops = set(req.eos_token_ids or ()) | set(req.sampling_params.stop_token_ids or ())
+    tokenizer = getattr(req, "tokenizer", None)
+    if tokenizer is not None:
+        stops.add(tokenizer.eos_token_id)
+        stops.update(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+    return any(t in stops for t in tokens)
 
 
 class DraftPipeline:

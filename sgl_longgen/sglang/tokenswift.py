@@ -45,26 +45,8 @@ from .draft_dir import DEFAULTS_FILE, inspect_heads_draft_dir
 from .draft_graph import DraftGraphRunner
 from .drafter import Drafter, Shadow
 from .inputs import PartialDraftInput
-from .pipeline import DraftPipeline, batch_key
+from .pipeline import DraftPipeline, batch_key, likely_finishes
 from .requests import PenaltyDefaults, StepRequest
-
-
-def likely_finishes(req, tokens: list[int]) -> bool:
-    """The scheduler will finish ``req`` on these tokens (length or a stop token id).
-
-    A draft queued for a finished request is only wasted device time, so this need not be
-    complete (stop strings are not checked).
-    """
-    if len(req.output_ids) + len(tokens) >= req.sampling_params.max_new_tokens:
-        return True
-    if req.sampling_params.ignore_eos:
-        return False
-    stops = set(req.eos_token_ids or ()) | set(req.sampling_params.stop_token_ids or ())
-    tokenizer = getattr(req, "tokenizer", None)
-    if tokenizer is not None:
-        stops.add(tokenizer.eos_token_id)
-        stops.update(getattr(tokenizer, "additional_stop_token_ids", None) or ())
-    return any(t in stops for t in tokens)
 
 
 def lm_head_group(lm_head):

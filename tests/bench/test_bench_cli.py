@@ -151,3 +151,17 @@ def test_summary_has_one_row_per_run_and_context():
     assert len(rows) == 3
     assert rows[1].startswith("| tokenswift_default | longgen | 1/2 | 98304 | 3.0 | 5.45 | 2.0 | - |")
     assert rows[2].startswith("| ngram_default | fa3 | 1/1 | 98304 | 16.0 | 0.9 | 12.1 |")
+
+
+def test_gpu_check_writes_the_spec_phases_drafter_settings(tmp_path):
+    """``--drafter-tree-size`` / ``--spec-drafter-weights`` reach the drafter directory as the
+    defaults its worker reads: OWL's 15-node trees verify 32 rows with [SPEC]."""
+    from sgl_longgen.core.owl import verify_width
+    from sgl_longgen.sglang.draft_dir import read_defaults
+
+    gpu_check.set_drafter_defaults(tmp_path, "OWL", 15, "fp8")
+    owl = read_defaults(tmp_path).owl
+    assert (owl.tree_size, owl.weights, verify_width(owl.tree_size, owl.spec)) == (15, "fp8", 32)
+    gpu_check.set_drafter_defaults(tmp_path, "LONGSPEC", None, "bf16")
+    defaults = read_defaults(tmp_path)
+    assert defaults.longspec.weights == "bf16" and defaults.owl.tree_size == 30  # the section rewritten, OWL's gone

@@ -88,6 +88,22 @@ def test_owl_greedy_is_identical(plain_engine, owl_engine):
     check_identical(plain_engine, owl_engine, min_tau=1.5)
 
 
+def test_owl_beams_expanded_ahead_serve_most_steps(plain_engine, owl_engine):
+    """Each step's beam is expanded at the end of the step before; the next step uses it (a stale
+    beam would draft from the wrong states: the output would still be plain decoding's, the
+    acceptance not)."""
+    want = plain_engine.generate(input_ids=PROMPTS[:1], sampling_params=greedy(NEW_TOKENS))
+    got = owl_engine.generate(input_ids=PROMPTS[:1],
+                              sampling_params=greedy(NEW_TOKENS, custom_params={"longgen_timing": "host"}))
+    assert got[0]["output_ids"] == want[0]["output_ids"]
+    meta = got[0]["meta_info"]
+    ahead = [x for x in meta["longgen_draft_queued_ahead"] if x is not None]
+    assert len(ahead) == meta["spec_verify_ct"]
+    # The first decode step drafts from the prefill's state (nothing was observed before it).
+    assert ahead[0] == 0.0 and sum(ahead) >= 0.75 * len(ahead), ahead
+    assert meta["spec_accept_length"] > 1.5
+
+
 def test_owl_with_fp8_drafter_weights_is_identical(plain_engine, drafter_dir, tmp_path):
     """The drafter directory asks for fp8 matrices; the worker quantizes its projections and head
     once (the fp8 twin on a CPU) and every draft reads them: plain decoding's output, drafts accepted."""
