@@ -57,6 +57,22 @@ def sampled_groups(steps: list[StepRequest], skip: set[int],
             for members in groups.values() if len(members) > 1]
 
 
+def batch_rows(members: list[int], cache: dict[tuple[int, ...], torch.Tensor], device) -> slice | torch.Tensor:
+    """An index of these batch rows (ascending) that never makes the host wait: a slice where they
+    are contiguous, else a device tensor made once per set of rows (kept in ``cache``). A list
+    index copies itself to the device from pageable memory, which synchronizes the stream: in a run
+    of plain steps that is before every forward, and the GPU then idles while the host queues the next."""
+    if members[-1] - members[0] == len(members) - 1:
+        return slice(members[0], members[-1] + 1)
+    key = tuple(members)
+    index = cache.get(key)
+    if index is None:
+        if len(cache) >= 256:
+            cache.clear()
+        index = cache[key] = torch.tensor(key, dtype=torch.int64, device=device)
+    return index
+
+
 @dataclass
 class VerifyWindows:
     """Verify inputs known before the tries: slots and the FULL custom mask's prefix part."""
@@ -92,6 +108,7 @@ class Verifier:
         self._windows: VerifyWindows | None = None
         self._last: tuple[list[StepRequest], list[Draft]] | None = None  # for the rehearsal
         self._columns = torch.arange(num_nodes, device=device)  # a verify window's columns
+        self._row_index: dict[tuple[int, ...], torch.Tensor] = {}  # see batch_rows
         self._fused = None  # the fused walk-and-commit kernel, on GPUs
         if device.type == "cuda":
             from ..kernels.tree_accept import MAX_NODES, walk_and_commit
@@ -244,11 +261,12 @@ class Verifier:
                 return proc.sample(logits.flatten(0, 1)).view(bs, n)
         draws = torch.full((bs, n), -2, dtype=torch.int64, device=logits.device)  # no token, no walk token
         if shared:
-            draws[shared] = proc.sample(logits[shared].flatten(0, 1)).view(len(shared), n)
+            rows = batch_rows(shared, self._row_index, self.device)
+            draws[rows] = proc.sample(logits[rows].flatten(0, 1)).view(len(shared), n)
         done = set(shared)
         for members, sampling, generator in sampled_groups(steps, done, info.logit_bias is None):
-            rows = logits if len(members) == bs else logits[members]
-            draws[members] = LogitsProcessor(sampling, vocab).sample(rows.flatten(0, 1), None, generator).view(
+            rows = batch_rows(members, self._row_index, self.device)
+            draws[rows] = LogitsProcessor(sampling, vocab).sample(logits[rows].flatten(0, 1), None, generator).view(
                 len(members), n)
             done.update(members)
         for b, (step, draft) in enumerate(zip(steps, drafts)):

@@ -52,3 +52,20 @@ def test_a_grouped_draw_is_the_per_request_draws_on_a_cpu_generator():
     [(members, config, generator)] = sampled_groups(steps, set(), True)
     got = LogitsProcessor(config, VOCAB).sample(logits[members].flatten(0, 1), None, generator).view(4, 1)
     assert torch.equal(got, want)
+
+
+def test_batch_rows_index_the_members_without_a_list():
+    """Contiguous members index as a slice, others through one cached index tensor: the rows read
+    and written are the members', in order."""
+    from sgl_longgen.sglang.verify import batch_rows
+
+    cache: dict = {}
+    draws = torch.full((9, 2), -2)
+    values = torch.arange(18).view(9, 2)
+    assert batch_rows([5, 6], cache, "cpu") == slice(5, 7) and not cache
+    rows = batch_rows([0, 2, 8], cache, "cpu")
+    assert batch_rows([0, 2, 8], cache, "cpu") is rows  # made once per set of rows
+    draws[rows] = values[rows]
+    draws[batch_rows([5, 6], cache, "cpu")] = values[5:7]
+    assert torch.equal(draws[[0, 2, 5, 6, 8]], values[[0, 2, 5, 6, 8]])
+    assert (draws[[1, 3, 4, 7]] == -2).all()
