@@ -14,6 +14,7 @@ captured), ms per generated token, measured as the wall time of an ``N + 1``-tok
   of a long generation costs once the request is set up);
 * ``greedy``: dummy weights' greedy text loops, the repetitive upper bound for drafting, with the
   controller (``auto``) and with speculation forced on every step (``on``, the fixed setting);
+  ``--repeats K`` runs each K times, interleaved, and reports the medians (``*_runs``: each run);
 * ``*_decode_ms`` beside each single-request figure: the same request (streamed) timed from its
   first token to its last, per token after the first. The prefill measured on another request
   varies by tens of ms at 98K, a few tenths of a ms per token over 128 tokens, as much as the
@@ -47,6 +48,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -196,12 +198,19 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
         row["sampled_ms"], row["sampled_steady_ms"], row["sampled_decode_ms"], rep = steady_ms_per_token(
             eng, [prompt], sampled, args.tokens, prefill)
         row["sampled_report"] = rep[0]
-        row["greedy_ms"], row["greedy_decode_ms"], rep = ms_per_token(eng, [prompt], greedy, args.tokens, prefill)
-        row["greedy_report"] = rep[0]
+        kinds = {"greedy": greedy}
         if spec:
-            on = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on"}}
-            row["greedy_on_ms"], row["greedy_on_decode_ms"], rep = ms_per_token(eng, [prompt], on, args.tokens, prefill)
-            row["greedy_on_report"] = rep[0]
+            kinds["greedy_on"] = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on"}}
+        runs: dict[str, list] = {name: [] for name in kinds}
+        for _ in range(args.repeats):  # the kinds interleaved: a drift of the host's speed hits both alike
+            for name, params in kinds.items():
+                runs[name].append(ms_per_token(eng, [prompt], params, args.tokens, prefill))
+        for name, got in runs.items():
+            row[f"{name}_ms"] = statistics.median(r[0] for r in got)
+            row[f"{name}_decode_ms"] = statistics.median(r[1] for r in got)
+            row[f"{name}_report"] = got[-1][2][0]
+            if args.repeats > 1:
+                row[f"{name}_runs"] = [[round(r[0], 3), round(r[1], 3)] for r in got]
         if spec and args.timeline and L == args.contexts[0]:
             row["timeline"] = {}
             for name, params in (("sampled", sampled), ("greedy", greedy)):
@@ -270,12 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--owl-width", type=int, default=1024)
     p.add_argument("--owl-draft-vocab", type=int, default=32768)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="greedy requests (auto and on) per context, interleaved; the figures are their medians "
+                        "(a 98K request's set-up varies by tens of ms run to run: tenths of a ms per token)")
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
     p.add_argument("--profile", type=Path, help="profile each engine's decode steps into this directory")
     p.add_argument("--profile-steps", type=int, default=48, help="decode steps (scheduler steps) profiled")
     p.add_argument("--profile-context", type=int, default=None,
                    help="the --contexts length whose prompt the profiled requests take (default: the first)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be 1 or more, got {args.repeats}")
     if args.profile_context is not None and args.profile_context not in args.contexts:
         p.error(f"--profile-context {args.profile_context} is not one of --contexts {args.contexts}")
 
