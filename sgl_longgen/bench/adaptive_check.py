@@ -319,10 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         start = round(time.time() - t, 1)
         try:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}
+            # Written before the engine stops (and again after each profile): a process that dies in
+            # the profiler or at the engine's shutdown keeps what was measured.
+            args.out.write_text(json.dumps(report, indent=1))
             if args.profile is not None:
                 at = prompts[args.profile_context or args.contexts[0]]
                 try:
                     report[name]["profile"] = profile(eng, name, at, args)
+                    args.out.write_text(json.dumps(report, indent=1))
                     if algorithm is not None:
                         report[name]["profile_verify"] = profile(eng, f"{name}-verify", at, args, VERIFY_PARAMS)
                 except Exception as exc:  # noqa: BLE001 - the measurements above stand without it
