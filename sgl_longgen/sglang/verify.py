@@ -34,27 +34,33 @@ from .inputs import TreeVerifyInput
 from .requests import StepRequest
 
 
-def sampled_groups(steps: list[StepRequest], skip: set[int],
-                   no_bias: bool) -> list[tuple[list[int], object, torch.Generator | None]]:
-    """Requests (two or more) whose draws can be taken in one call: sampled, nothing of SGLang's
-    processing on their rows (no blocker, no logit bias), no contextual penalty (whose window is
-    each node's own path), the same settings and the same generator (requests without a seed share
-    the table's). Each node's token is still drawn from its own row's distribution with noise of
-    its own (:func:`~sgl_longgen.core.sampling.exponential_race` over the rows together), so the
-    law is the per-request draw's; what changes is the launches: a batch's plain step, one row per
-    request, draws in one call instead of one per request between two forwards. Drawing at every
-    row of the padded width, where a request walks fewer, costs noise nobody reads. A request's
-    own seed keeps its own generator and its own draw (its sample stays pinned by the seed)."""
+def draw_groups(steps: list[StepRequest],
+                no_bias: bool) -> list[tuple[list[int], object, torch.Generator | None]]:
+    """Requests whose draws are taken in one call, as ``(rows, settings, generator)``: nothing of
+    SGLang's processing on their rows (no blocker, no logit bias) and no contextual penalty (whose
+    window is each node's own path). The greedy ones form one group whatever their settings (one
+    argmax over all their rows). Sampled ones group, two or more, by the same settings and the same
+    generator (requests without a seed share the table's): each node's token is still drawn from
+    its own row's distribution with noise of its own (:func:`~sgl_longgen.core.sampling.exponential_race`
+    over the rows together), so the law is the per-request draw's; what changes is the launches: a
+    batch's plain step, one row per request, draws in one call instead of one per request between
+    two forwards. Drawing at every row of the padded width, where a request walks fewer, costs noise
+    nobody reads. A request's own seed keeps its own generator and its own draw (its sample stays
+    pinned by the seed). The others draw one by one (:func:`~sgl_longgen.core.verify.draw_tree`)."""
     if not no_bias:
         return []
-    groups: dict[tuple, list[int]] = {}
+    greedy: list[int] = []
+    sampled: dict[tuple, list[int]] = {}
     for b, step in enumerate(steps):
-        if b in skip or step.blocker is not None or step.sampling.greedy or step.sampling.penalty_active:
+        if step.blocker is not None or step.sampling.penalty_active:
             continue
-        key = (id(step.state.generator), msgspec.structs.astuple(step.sampling))
-        groups.setdefault(key, []).append(b)
-    return [(members, steps[members[0]].sampling, steps[members[0]].state.generator)
-            for members in groups.values() if len(members) > 1]
+        if step.sampling.greedy:
+            greedy.append(b)
+        else:
+            sampled.setdefault((id(step.state.generator), msgspec.structs.astuple(step.sampling)), []).append(b)
+    groups = [(greedy, steps[greedy[0]].sampling, None)] if greedy else []
+    return groups + [(members, steps[members[0]].sampling, steps[members[0]].state.generator)
+                     for members in sampled.values() if len(members) > 1]
 
 
 def batch_rows(members: list[int], cache: dict[tuple[int, ...], torch.Tensor], device) -> slice | torch.Tensor:
@@ -251,20 +257,13 @@ class Verifier:
             info.apply_logits_bias(root_sglang)
             if info.has_custom_logit_processor:
                 apply_custom_logit_processor(root_sglang, info)
-        # Requests whose distribution depends only on their own logits (greedy, no penalty, no
-        # bias) share one argmax over all their rows.
-        shared = [b for b, s in enumerate(steps) if s.blocker is None and s.sampling.greedy
-                  and not s.sampling.penalty_active and info.logit_bias is None]
-        if shared:
-            proc = LogitsProcessor(steps[shared[0]].sampling, vocab)
-            if len(shared) == bs:
-                return proc.sample(logits.flatten(0, 1)).view(bs, n)
+        groups = draw_groups(steps, info.logit_bias is None)
+        if len(groups) == 1 and len(groups[0][0]) == bs:
+            _, sampling, generator = groups[0]
+            return LogitsProcessor(sampling, vocab).sample(logits.flatten(0, 1), None, generator).view(bs, n)
         draws = torch.full((bs, n), -2, dtype=torch.int64, device=logits.device)  # no token, no walk token
-        if shared:
-            rows = batch_rows(shared, self._row_index, self.device)
-            draws[rows] = proc.sample(logits[rows].flatten(0, 1)).view(len(shared), n)
-        done = set(shared)
-        for members, sampling, generator in sampled_groups(steps, done, info.logit_bias is None):
+        done = set()
+        for members, sampling, generator in groups:
             rows = batch_rows(members, self._row_index, self.device)
             draws[rows] = LogitsProcessor(sampling, vocab).sample(logits[rows].flatten(0, 1), None, generator).view(
                 len(members), n)

@@ -1,5 +1,5 @@
-"""Sampled requests that share a generator and settings draw in one call (a batch's plain step:
-one launch instead of one per request), with each row's own law: on a CPU generator, which hands
+"""Greedy requests share one argmax; sampled requests that share a generator and settings draw in
+one call (a batch's plain step: one launch instead of one per request), with each row's own law: on a CPU generator, which hands
 out its numbers in order, the grouped draw is token for token the per-request draws in batch order."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from sgl_longgen.config import SamplingConfig
 from sgl_longgen.core.sampling import LogitsProcessor
-from sgl_longgen.sglang.verify import sampled_groups
+from sgl_longgen.sglang.verify import draw_groups
 
 VOCAB = 300
 
@@ -33,11 +33,15 @@ def test_only_requests_whose_rows_alone_decide_share_a_draw():
         step(SamplingConfig(temperature=0.0), shared),  # 7: greedy
         step(t1, shared),  # 8
     ]
-    groups = sampled_groups(steps, skip=set(), no_bias=True)
-    assert [g[0] for g in groups] == [[0, 2, 8], [5, 6]]
-    assert groups[0][2] is shared and groups[0][1] == t1
-    assert sampled_groups(steps, skip={0, 2}, no_bias=True)[0][0] == [5, 6]
-    assert sampled_groups(steps, skip=set(), no_bias=False) == []  # a logit bias is SGLang's, per row
+    groups = draw_groups(steps, no_bias=True)
+    # The greedy rows first (one argmax, no generator), then the sampled groups of two or more.
+    assert [g[0] for g in groups] == [[7], [0, 2, 8], [5, 6]]
+    assert groups[0][2] is None and groups[0][1].greedy
+    assert groups[1][2] is shared and groups[1][1] == t1
+    assert draw_groups(steps[:7], no_bias=True)[0][0] == [0, 2]  # no greedy row: no greedy group
+    assert draw_groups(steps, no_bias=False) == []  # a logit bias is SGLang's, per row
+    penalized_greedy = step(SamplingConfig(temperature=0.0, penalty=1.2), shared)
+    assert [g[0] for g in draw_groups([penalized_greedy, steps[7]], no_bias=True)] == [[1]]
 
 
 def test_a_grouped_draw_is_the_per_request_draws_on_a_cpu_generator():
@@ -49,7 +53,7 @@ def test_a_grouped_draw_is_the_per_request_draws_on_a_cpu_generator():
     want = torch.stack([proc.sample(logits[b], None, one_by_one) for b in range(4)])
     together = torch.Generator().manual_seed(7)
     steps = [step(sampling, together) for _ in range(4)]
-    [(members, config, generator)] = sampled_groups(steps, set(), True)
+    [(members, config, generator)] = draw_groups(steps, True)
     got = LogitsProcessor(config, VOCAB).sample(logits[members].flatten(0, 1), None, generator).view(4, 1)
     assert torch.equal(got, want)
 
