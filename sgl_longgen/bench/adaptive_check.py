@@ -301,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {L: [rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in args.contexts}
     batch_prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(args.batch_context)] for _ in range(args.batch)]
     runs = ([] if args.skip_plain else [None]) + list(args.algorithms)
+
+    def save() -> None:
+        args.out.write_text(json.dumps(report, indent=1))
+
     for algorithm in runs:
         draft = None
         if algorithm == "TOKENSWIFT":
@@ -321,19 +325,19 @@ def main(argv: list[str] | None = None) -> int:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}
             # Written before the engine stops (and again after each profile): a process that dies in
             # the profiler or at the engine's shutdown keeps what was measured.
-            args.out.write_text(json.dumps(report, indent=1))
+            save()
             if args.profile is not None:
                 at = prompts[args.profile_context or args.contexts[0]]
                 try:
                     report[name]["profile"] = profile(eng, name, at, args)
-                    args.out.write_text(json.dumps(report, indent=1))
+                    save()
                     if algorithm is not None:
                         report[name]["profile_verify"] = profile(eng, f"{name}-verify", at, args, VERIFY_PARAMS)
                 except Exception as exc:  # noqa: BLE001 - the measurements above stand without it
                     report[name]["profile_error"] = f"{type(exc).__name__}: {exc}"
         finally:
             stop_engine(eng)
-        args.out.write_text(json.dumps(report, indent=1))
+        save()
     print(json.dumps(report, indent=1))
     return 0
 

@@ -528,12 +528,11 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     if "plain_outputs" not in report:
         raise SystemExit("run --phase plain first (same --out)")
     tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
-    if args.algorithm in ("OWL", "HOWL", "LONGSPEC"):
-        tag += (f"_t{args.drafter_tree_size}" if args.drafter_tree_size else "") + (
-            f"_{args.spec_drafter_weights}" if args.spec_drafter_weights != "bf16" else "")
     result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
                     "cuda_graph": not args.no_cuda_graph}
     if args.algorithm in ("OWL", "HOWL", "LONGSPEC"):
+        tag += (f"_t{args.drafter_tree_size}" if args.drafter_tree_size else "") + (
+            f"_{args.spec_drafter_weights}" if args.spec_drafter_weights != "bf16" else "")
         set_drafter_defaults(draft, args.algorithm, args.drafter_tree_size, args.spec_drafter_weights)
         result.update(drafter=draft.name, drafter_tree_size=args.drafter_tree_size,
                       drafter_weights=args.spec_drafter_weights)

@@ -25,6 +25,10 @@ class GraphedFunction:
         self.warmup = warmup
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
 
+    def captured(self, leading: int) -> bool:
+        """Whether a graph exists for a call whose first tensor has ``leading`` rows."""
+        return any(key[0][0][0] == leading for key in self.graphs)
+
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not args or not args[0].is_cuda:
             return self.fn(*args)

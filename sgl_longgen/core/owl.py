@@ -474,7 +474,7 @@ class GraphedExpand:
     def ready(self, batch_size: int) -> bool:
         """Whether a beam of ``batch_size`` rows replays without a capture first (a CUDA graph of
         that size exists): a runtime queuing the beam on a stream of its own captures nothing there."""
-        return any(key[0][0][0] == batch_size for key in self._run.graphs)
+        return self._run.captured(batch_size)
 
     def __call__(self, h_last: torch.Tensor, roots, h_spec: torch.Tensor | None = None,
                  has_spec=None) -> DraftBeam:

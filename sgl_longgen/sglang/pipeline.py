@@ -1,10 +1,11 @@
 """The one draft forward queued ahead of the step that will use it.
 
-A draft that needs only what is committed can run before its step: OWL's beam reads the
-committed hidden states, so it is expanded as soon as the host has observed a step. A TokenSwift draft depends only on the committed KV, the root and the partial-KV selection, so
-it can start as soon as a step's commit is queued: on the device right behind the commit (a
-*chained* draft, whose inputs come from the walk without the host) or, once the host has walked
-the trees, at the end of the step (*ahead*). Either way the next step uses it only if its batch
+A draft that needs only what is committed can run before its step. OWL's beam reads the
+committed hidden states, so it is expanded as soon as the host has observed a step. A TokenSwift
+draft depends only on the committed KV, the root and the partial-KV selection, so it can start as
+soon as a step's commit is queued: on the device right behind the commit (a *chained* draft, whose
+inputs come from the walk without the host) or, once the host has walked the trees, at the end of
+the step (*ahead*). Either way the next step uses it only if its batch
 is the same (rid, request slot, committed length per request); otherwise it is dropped.
 
 On a GPU its graph replays on a stream of its own, so SGLang's scheduler reads the step's
