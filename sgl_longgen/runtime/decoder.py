@@ -97,6 +97,9 @@ class Decoder(ABC):
     # accepted path's node positions in the last verified trie (the root's 0 first).
     max_nodes: int | None = None
     step_nodes: list[int] | None = None
+    # The clock adaptive speculation's costs are measured with (seconds). Wall time by default;
+    # a test sets a model of step costs here, so the controller's choices repeat on any machine.
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, loaded: LoadedModel, config: GenerateConfig):
         self.loaded = loaded
@@ -141,18 +144,19 @@ class Decoder(ABC):
 
     def adaptive_step(self, controller: AdaptiveController) -> list[int]:
         """The step the controller picks (with its draft width), timed and reported back to it."""
-        hint = controller.hint_if_due(self.hint, time.perf_counter)
+        clock = self.clock
+        hint = controller.hint_if_due(self.hint, clock)
         if controller.decide(hint=hint) == PLAIN:
-            t = time.perf_counter()
+            t = clock()
             new = self.plain_step()
-            controller.record_plain(time.perf_counter() - t)
+            controller.record_plain(clock() - t)
             self.stats.plain_steps += 1
         else:
             self.max_nodes = width = controller.width  # None (the whole draft) without widths
             try:
-                t = time.perf_counter()
+                t = clock()
                 new = self.step()
-                seconds = time.perf_counter() - t
+                seconds = clock() - t
             finally:
                 self.max_nodes = None
             self.stats.hinted_steps += controller.hinted

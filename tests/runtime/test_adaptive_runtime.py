@@ -227,12 +227,35 @@ def test_drafts_that_never_match_run_at_plain_decoding_speed(method):
     assert ratio < 1.15, walls
 
 
+class StepCostClock:
+    """A model of step costs as the decoder's clock: a plain step costs 1, a speculative one
+    ``spec``, a hint ``hint``. The controller's choices then follow from the drafts alone and
+    repeat on any machine (wall times of a tiny model move its choices from run to run)."""
+
+    def __init__(self, dec, spec: float, hint: float = 0.0):
+        self.now = 0.0
+        dec.step = self.costing(dec.step, spec)
+        dec.plain_step = self.costing(dec.plain_step, 1.0)
+        dec.hint = self.costing(dec.hint, hint)
+        dec.clock = lambda: self.now
+
+    def costing(self, fn, cost: float):
+        def run():
+            out = fn()
+            self.now += cost
+            return out
+        return run
+
+
 @pytest.mark.parametrize("method", ["tokenswift", "howl"])
 def test_a_loop_starting_mid_run_is_taken_up_on_the_methods_hint(method):
     """Greedy ``tiny-random`` text wanders, then loops. Random heads (a drafter fitted elsewhere)
     accept little at first, so the controller goes plain; once the output loops, the method's hint
     (the score of its suffix draft of the history) turns the next step speculative instead of
-    waiting for a probe. Same output as plain decoding, far fewer steps than without hints."""
+    waiting for a probe. Same output as plain decoding, far fewer steps than without hints.
+
+    Costs are modelled (:class:`StepCostClock`): a speculative step at 5 plain ones, about what
+    both methods' steps cost on this tiny model on a CPU, a hint at a twentieth of a plain step."""
     name, n = "tiny-random", 300
     drafter = owl_drafter(name) if method == "howl" else None
     expected = ar_output(name, 1.0, 1024, n)
@@ -241,6 +264,7 @@ def test_a_loop_starting_mid_run_is_taken_up_on_the_methods_hint(method):
         dec = build_decoder(model(name), adaptive(method), drafter_dir=drafter)
         if not hints:
             dec.hint = lambda: None
+        StepCostClock(dec, spec=5.0, hint=0.05)
         result = dec.generate(PROMPT, n)
         assert tuple(result.output_ids) == expected
         steps[hints] = result.stats.steps
