@@ -33,6 +33,7 @@ exception is logged once for it, it decodes plain from then on, and the server k
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -53,8 +54,10 @@ from .drafter import Drafter
 from .host_profile import HostProfile
 from .inputs import relay_input
 from .penalty import ContextualPenaltyProcessor
+from .pipeline import batch_key
 from .plain_graph import capture_plain_graphs
 from .requests import RequestTable, StepRequest, activate_penalty_defaults
+from .run_ahead import RunAhead
 from .timing import StepClock, append_step_values
 from .verify import Launched, Verifier
 
@@ -130,6 +133,8 @@ class SpecWorker(BaseSpecWorker):
         self.host_profile = HostProfile.from_env()
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
         self._run_cap = PLAIN_RUN  # the longest plain run the next plain call may queue (see PLAIN_RUN)
+        self.run_ahead = RunAhead(self.device)  # the next plain call's first forward (see .run_ahead)
+        self._batch_origin = None  # a run's batch lengths as SGLang gave them (see _moved_batch)
 
     # -- SGLang's worker contract -----------------------------------------------------------------
 
@@ -153,6 +158,7 @@ class SpecWorker(BaseSpecWorker):
             self.verifier.graphs_by_width[graphs.width] = graphs
 
     def clear_cache_pool(self):
+        self.run_ahead.drop()
         self.drafter.reset()
         self.requests.clear()
 
@@ -163,6 +169,7 @@ class SpecWorker(BaseSpecWorker):
 
     def forward_batch_generation(self, batch, on_publish=None, **kwargs) -> GenerationBatchResult:
         self.drafter.before_forward()
+        self.run_ahead.wait()
         profile = self.host_profile
         if batch.forward_mode.is_decode():
             if profile is not None and profile.wants(batch.reqs):
@@ -212,8 +219,9 @@ class SpecWorker(BaseSpecWorker):
             self._run_cap = min(PLAIN_RUN, 2 * self._run_cap)
         elif not self.adaptive.probing():  # a probe inside a plain stretch does not restart its runs
             self._run_cap = 1
-        if run > 1:
+        if not speculate and (run > 1 or (run == 1 and self.run_ahead.queued is not None)):
             return self._plain_run(batch, steps, run, on_publish)
+        self.run_ahead.drop()  # before anything draws: its generators go back
         if speculate:
             drafts = self._draft(batch, steps)
         else:  # a plain step: the roots alone, no draft forward
@@ -273,22 +281,27 @@ class SpecWorker(BaseSpecWorker):
         request, logprobs or hidden states returned per token), else :data:`PLAIN_RUN` (fewer
         right after a prefill or a speculative step: see there), at most the verify width, every
         request's remaining budget and the plain steps its controller allows before its next probe
-        (one where a plain step only measures or refreshes the plain cost)."""
-        if batch.return_logprob:
-            return 1
+        (one where a plain step only measures or refreshes the plain cost). 0: this step needs the
+        host after its token (it is one plain step, never a run)."""
+        if batch.return_logprob or not all(self._runs_plain(step) for step in steps):
+            return 0
         run = min(self._run_cap, self.num_nodes, self.adaptive.plain_run_limit(steps))
         for step in steps:
             req = step.req
-            if step.blocker not in (None, SPECULATION_OFF) or step.sampling.penalty_active:
-                return 1
-            if getattr(req, "return_hidden_states", False):
-                return 1
             run = min(run, req.sampling_params.max_new_tokens - len(req.output_ids))
         return max(1, run)
 
+    @staticmethod
+    def _runs_plain(step: StepRequest) -> bool:
+        """Nothing needs the host between two of the request's tokens (see :meth:`_plain_run_length`)."""
+        return (step.blocker in (None, SPECULATION_OFF) and not step.sampling.penalty_active
+                and not getattr(step.req, "return_hidden_states", False))
+
     def _plain_run(self, batch, steps: list[StepRequest], k: int, on_publish) -> GenerationBatchResult:
         """``k`` plain steps in one call: ``k`` width-1 forwards queued back to back, each drawing
-        the next root on the device, one read-back at the end.
+        the next root on the device, one read-back at the end. The first may have been queued by
+        the previous call (:mod:`.run_ahead`); where the next call is likely a run too, its first
+        forward is queued behind this one's last.
 
         The tokens' KV lands in the first ``k`` slots of each request's verify window, in order,
         as a fully accepted chain of ``k - 1`` drafts would put it, so the drafters observe the run
@@ -297,41 +310,32 @@ class SpecWorker(BaseSpecWorker):
         """
         clock = self.clock
         self.drafter.drop_queued()
+        ahead = self.run_ahead.take(batch_key(steps))
         clock.note("plain_step", 1.0)
         clock.note("plain_run", float(k))
+        clock.note("plain_run_ahead", float(ahead is not None))
         clock.phase("draft")
         bs = len(steps)
         seq_lens = batch.seq_lens
-        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum)
         roots = [Draft.root_only(step.root) for step in steps]
         draws = torch.empty(k, bs, dtype=torch.int64, device=self.device)
         hidden = None
         launched = None
         clock.gpu_mark("verify_gpu")
-        try:
+        with self._moved_batch(batch):
             for i in range(k):
-                inner = steps if i == 0 else [replace(step, seq_len=step.seq_len + i) for step in steps]
-                hook = lambda b, inner=inner: self._guarded("before_verify", steps, self.drafter.before_verify,  # noqa: E731
-                                                            b, inner, roots)
-                if i == 0:
-                    self.verifier.prepare(batch, inner, width=1)
-                    launched = self.verifier.launch(batch, inner, roots, hook)
+                if i == 0 and ahead is not None:
+                    launched, draws[0] = ahead.launched, ahead.token
+                    rows = ahead.hidden
                 else:
-                    batch.seq_lens = seq_lens + i
-                    if saved[1] is not None:
-                        batch.seq_lens_cpu = saved[1] + i
-                    if saved[2] is not None:
-                        batch.seq_lens_sum = saved[2] + bs * i
-                    launched = self.verifier.relaunch(batch, inner, launched, draws[i - 1], hook)
-                out = launched.result.logits_output
-                draws[i] = self.verifier.draw(batch, inner, roots, out.next_token_logits)[:, 0]
-                if out.hidden_states is not None:
+                    launched, draws[i], rows = self._plain_forward(batch, steps, i, roots, launched,
+                                                                   draws[i - 1] if i else None)
+                if rows is not None:
                     if hidden is None:
-                        hidden = torch.empty(bs, k, out.hidden_states.shape[-1], dtype=out.hidden_states.dtype,
-                                             device=self.device)
-                    hidden[:, i] = out.hidden_states.view(bs, -1, out.hidden_states.shape[-1])[:, 0]
-        finally:
-            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = saved
+                        hidden = torch.empty(bs, k, rows.shape[-1], dtype=rows.dtype, device=self.device)
+                    hidden[:, i] = rows
+            if self._should_run_ahead(steps, k):
+                self._queue_run_ahead(batch, steps, k, roots, launched, draws)
         clock.gpu_mark("verify_gpu")
         host = self.env.staging("plain_run", k * bs, torch.int64)
         host.view(k, bs).copy_(draws, non_blocking=True)
@@ -356,6 +360,7 @@ class SpecWorker(BaseSpecWorker):
         self._guarded("observe", steps, self.drafter.observe, steps, drafts, verdicts)
         # The next step's kind once the methods saw the run (their hints read its tokens).
         if self.adaptive.plan(steps, k) == SPECULATE:
+            self.run_ahead.drop()
             self._guarded("after_commit", steps, self.drafter.after_commit, batch, steps, verdicts)
         else:
             self.drafter.drop_queued()
@@ -372,6 +377,68 @@ class SpecWorker(BaseSpecWorker):
         clock.phase("overhead")
         clock.finish({s.rid: k for s in steps})
         return result
+
+    def _plain_forward(self, batch, steps: list[StepRequest], i: int, roots: list[Draft], last, prev_draw):
+        """The ``i``-th forward of a run (the roots ``i`` positions on) and its draw: (launched,
+        tokens ``[bs]``, the hidden rows ``[bs, d]`` or None). ``prev_draw``: the tokens the
+        forward before it drew, still on the device (None for the first)."""
+        inner = steps if i == 0 else [replace(step, seq_len=step.seq_len + i) for step in steps]
+        hook = lambda b: self._guarded("before_verify", steps, self.drafter.before_verify, b, inner, roots)
+        if last is None:
+            self.verifier.prepare(batch, inner, width=1)
+            launched = self.verifier.launch(batch, inner, roots, hook)
+        else:
+            self._move_batch(batch, i)
+            launched = self.verifier.relaunch(batch, inner, last, prev_draw, hook)
+        out = launched.result.logits_output
+        tokens = self.verifier.draw(batch, inner, roots, out.next_token_logits)[:, 0]
+        rows = None
+        if out.hidden_states is not None:
+            rows = out.hidden_states.view(len(steps), -1, out.hidden_states.shape[-1])[:, 0]
+        return launched, tokens, rows
+
+    _MOVED = ("seq_lens", "seq_lens_cpu", "seq_lens_sum", "forward_mode", "input_ids", "out_cache_loc", "spec_info")
+
+    @contextmanager
+    def _moved_batch(self, batch):
+        """The batch as SGLang gave it, back after the forwards of a run moved it along."""
+        saved = {name: getattr(batch, name) for name in self._MOVED}
+        self._batch_origin = (saved["seq_lens"], saved["seq_lens_cpu"], saved["seq_lens_sum"])
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(batch, name, value)
+
+    def _move_batch(self, batch, i: int) -> None:
+        """The batch's lengths ``i`` tokens past the call's committed ones (inside :meth:`_moved_batch`)."""
+        seq_lens, seq_lens_cpu, seq_lens_sum = self._batch_origin
+        batch.seq_lens = seq_lens + i
+        if seq_lens_cpu is not None:
+            batch.seq_lens_cpu = seq_lens_cpu + i
+        if seq_lens_sum is not None:
+            batch.seq_lens_sum = seq_lens_sum + len(batch.reqs) * i
+
+    def _should_run_ahead(self, steps: list[StepRequest], k: int) -> bool:
+        """Queue the next call's first forward: its controllers allow another plain step and no
+        request ends with this run (a stop token may still end one: its forward is then dropped)."""
+        if not self.run_ahead.enabled or self.adaptive.plain_run_limit(steps) <= k:
+            return False
+        return all(s.req.sampling_params.max_new_tokens - len(s.req.output_ids) > k for s in steps)
+
+    def _queue_run_ahead(self, batch, steps: list[StepRequest], k: int, roots: list[Draft], launched,
+                         draws: torch.Tensor) -> None:
+        """The forward at ``k`` past this call's lengths, for the next call (see :mod:`.run_ahead`)."""
+        stream = self.run_ahead.stream
+        if stream is not None:  # what it reads of the main stream's memory stays the run-ahead's until it ran
+            draws.record_stream(stream)
+            for owner in (batch, getattr(batch, "sampling_info", None)):
+                for value in getattr(owner, "__dict__", {}).values():
+                    if isinstance(value, torch.Tensor) and value.is_cuda:
+                        value.record_stream(stream)
+        key = batch_key(steps, [s.seq_len + k for s in steps])
+        self.run_ahead.queue(key, [s.state.generator for s in steps],
+                             lambda: self._plain_forward(batch, steps, k, roots, launched, draws[k - 1]))
 
     def _begin(self, batch) -> list[StepRequest]:
         steps = self.requests.begin(batch, self.drafter.penalty, ContextualPenaltyProcessor)

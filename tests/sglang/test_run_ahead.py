@@ -1,0 +1,105 @@
+"""The next call's first plain step, queued before a run of plain steps returns (``.run_ahead``).
+
+A TOKENSWIFT engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` (on the CPU it is off by default)
+against plain decoding and against the same worker without it (the module's ``spec_engine``):
+same greedy tokens, and at temperature 1 the very same draws, including where a request ends on
+a stop token after its next forward was queued (the forward is dropped, the generators it drew
+from go back).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sgl_longgen import env
+from sgl_longgen.sglang.run_ahead import RunAhead
+from sglang_harness import PROMPTS, greedy, spec_args, stop
+
+OFF = {"longgen_speculation": "off"}
+
+
+@pytest.fixture(scope="module")
+def ahead_engine():
+    import sglang as sgl
+
+    os.environ[env.name("PLAIN_RUN_AHEAD")] = "1"  # read when the scheduler builds the worker
+    try:
+        engine = sgl.Engine(**spec_args())
+    finally:
+        del os.environ[env.name("PLAIN_RUN_AHEAD")]
+    yield engine
+    stop(engine)
+
+
+def series(meta: dict, key: str) -> list[float]:
+    return [v for v in meta.get(key, []) if v is not None]
+
+
+def test_plain_runs_take_the_forward_the_last_call_queued(plain_engine, ahead_engine):
+    n = 96
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n))
+    got = ahead_engine.generate(input_ids=PROMPTS, sampling_params=greedy(
+        n, custom_params={**OFF, "longgen_timing": "host"}))
+    for w, g in zip(want, got):
+        assert g["output_ids"] == w["output_ids"]
+        meta = g["meta_info"]
+        assert meta["spec_verify_ct"] == n - 1  # one verify counted per forward, queued ahead or not
+        taken = series(meta, "longgen_plain_run_ahead")
+        # Every call after the first takes the forward the one before queued (none is queued past
+        # a request's budget, and the batch stays the same to the end).
+        assert taken[0] == 0.0 and all(taken[1:]) and len(taken) >= 4, taken
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 33])
+def test_token_budgets(plain_engine, ahead_engine, n):
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n))
+    got = ahead_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n, custom_params=OFF))
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert all(len(g["output_ids"]) == n for g in got)
+
+
+def test_sampled_draws_are_the_ones_made_without_it(spec_engine, ahead_engine):
+    """Unseeded requests share one generator, seeded ones have their own. Requests end on stop
+    tokens at different points, so calls queue forwards for batches that do not come."""
+    stops = [list(range(10, 16)), list(range(100, 104)), []]
+    params = [{"max_new_tokens": 120 + 20 * i, "temperature": 1.0, "stop_token_ids": s, "custom_params": OFF,
+               **({"sampling_seed": 7} if i == 1 else {})} for i, s in enumerate(stops)]
+    outputs = {}
+    for name, engine in (("without", spec_engine), ("with", ahead_engine)):
+        outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
+    assert outputs["with"] == outputs["without"]
+    lengths = [len(o) for o in outputs["with"]]
+    assert len(set(lengths)) == 3 and min(lengths) < 100, lengths  # they end apart, mid-way
+
+
+def test_greedy_mixes_of_plain_and_speculative_steps(plain_engine, ahead_engine):
+    """``auto``: runs of plain steps and speculative steps (where the n-grams of a looping prompt
+    pay) in one request, so queued forwards are also dropped for a speculative step."""
+    prompts = [*PROMPTS, [256] + [41, 182, 48] * 40]
+    want = plain_engine.generate(input_ids=prompts, sampling_params=greedy(160))
+    got = ahead_engine.generate(input_ids=prompts, sampling_params=greedy(160, custom_params={
+        "longgen_speculation": "auto"}))
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+
+
+def test_a_dropped_forward_gives_its_draws_back():
+    shared, own = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    ahead = RunAhead(torch.device("cpu"), enabled=True)
+
+    def forward():
+        token = torch.cat([torch.randint(0, 100, (2,), generator=shared), torch.randint(0, 100, (1,), generator=own)])
+        return "launched", token, None
+
+    ahead.queue(("a", 0, 10), [shared, own, shared], forward)
+    first = ahead.queued.token.clone()
+    assert ahead.take(("a", 0, 11)) is None and ahead.queued is None  # another batch: dropped
+    ahead.queue(("a", 0, 10), [shared, own], forward)
+    assert torch.equal(ahead.queued.token, first)  # the same draws again
+    taken = ahead.take(("a", 0, 10))
+    assert taken is not None and torch.equal(taken.token, first)
+    # Taken, the draws stand: the generators move on.
+    after = torch.cat([torch.randint(0, 100, (2,), generator=shared), torch.randint(0, 100, (1,), generator=own)])
+    assert not torch.equal(after, first)
