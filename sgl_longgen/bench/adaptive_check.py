@@ -40,6 +40,9 @@ steps: ``profile_verify``, ``DIR/<engine>-verify.md``).
 
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms TOKENSWIFT
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms OWL HOWL --skip-plain
+
+``--plain-run-ahead on|off|both``: each method's engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD`` set
+(:mod:`sgl_longgen.sglang.run_ahead`); ``both`` runs it twice, the second as ``<METHOD>+ahead``.
 """
 
 from __future__ import annotations
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="greedy requests (auto and on) per context, interleaved; the figures are their medians "
                         "(a 98K request's set-up varies by tens of ms run to run: tenths of a ms per token)")
+    p.add_argument("--plain-run-ahead", choices=("default", "on", "off", "both"), default="default",
+                   help="queue a plain run's next forward before the call returns (default: the worker's default)")
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
     p.add_argument("--profile", type=Path, help="profile each engine's decode steps into this directory")
     p.add_argument("--profile-steps", type=int, default=48, help="decode steps (scheduler steps) profiled")
@@ -300,26 +305,30 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 128256
     prompts = {L: [rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in args.contexts}
     batch_prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(args.batch_context)] for _ in range(args.batch)]
-    runs = ([] if args.skip_plain else [None]) + list(args.algorithms)
+    aheads = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.plain_run_ahead]
+    runs = ([] if args.skip_plain else [(None, None)]) + [(a, ahead) for a in args.algorithms for ahead in aheads]
 
     def save() -> None:
         args.out.write_text(json.dumps(report, indent=1))
 
-    for algorithm in runs:
+    for algorithm, ahead in runs:
         draft = None
         if algorithm == "TOKENSWIFT":
             draft = heads
         elif algorithm in ("OWL", "HOWL"):
             draft = make_owl_drafter(root, args.owl_width, args.owl_draft_vocab)
-        name = algorithm or "plain"
+        name = (algorithm or "plain") + ("+ahead" if ahead and args.plain_run_ahead == "both" else "")
         print(f"{name}:", flush=True)
         if algorithm is not None:
             os.environ[env.name("ADAPTIVE")] = "1"
+        if ahead is not None:
+            os.environ[env.name("PLAIN_RUN_AHEAD")] = str(int(ahead))
         t = time.time()
         try:
             eng = engine(model, algorithm, draft, args)
         finally:
             os.environ.pop(env.name("ADAPTIVE"), None)
+            os.environ.pop(env.name("PLAIN_RUN_AHEAD"), None)
         start = round(time.time() - t, 1)
         try:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}

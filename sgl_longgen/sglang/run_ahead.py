@@ -21,8 +21,7 @@ makes its stream wait for the queued one (:meth:`RunAhead.wait`), so nothing els
 slot, the verify buffers or the graphs' inputs while it runs.
 
 A device without streams (the CPU engine of the tests) computes it in place, before the call
-returns: no time saved, the same bookkeeping. It is on by default on GPUs only;
-``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` / ``0`` forces it on / off.
+returns: no time saved, the same bookkeeping. Opt-in: ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1``.
 """
 
 from __future__ import annotations
@@ -37,14 +36,13 @@ from .. import env
 RUN_AHEAD_ENV = env.name("PLAIN_RUN_AHEAD")
 
 
-def run_ahead_enabled(device: torch.device) -> bool:
+def run_ahead_enabled() -> bool:
+    """``SGLANG_LONGGEN_PLAIN_RUN_AHEAD`` (off unless 1)."""
     raw = (env.get("PLAIN_RUN_AHEAD") or "").strip().lower()
-    if not raw:
-        return device.type == "cuda"
+    if raw in ("", "0", "false", "no", "off"):
+        return False
     if raw in ("1", "true", "yes", "on"):
         return True
-    if raw in ("0", "false", "no", "off"):
-        return False
     raise ValueError(f"{RUN_AHEAD_ENV} must be 1 or 0, got {raw!r}")
 
 
@@ -60,7 +58,7 @@ class QueuedPlain:
 
 class RunAhead:
     def __init__(self, device: torch.device, enabled: bool | None = None):
-        self.enabled = run_ahead_enabled(device) if enabled is None else enabled
+        self.enabled = run_ahead_enabled() if enabled is None else enabled
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.enabled else None
         self.queued: QueuedPlain | None = None
 

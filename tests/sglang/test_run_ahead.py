@@ -1,6 +1,6 @@
 """The next call's first plain step, queued before a run of plain steps returns (``.run_ahead``).
 
-A TOKENSWIFT engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` (on the CPU it is off by default)
+A TOKENSWIFT engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` (off by default)
 against plain decoding and against the same worker without it (the module's ``spec_engine``):
 same greedy tokens, and at temperature 1 the very same draws, including where a request ends on
 a stop token after its next forward was queued (the forward is dropped, the generators it drew
@@ -13,10 +13,10 @@ import os
 
 import pytest
 import torch
+from sglang_harness import PROMPTS, greedy, spec_args, stop
 
 from sgl_longgen import env
 from sgl_longgen.sglang.run_ahead import RunAhead
-from sglang_harness import PROMPTS, greedy, spec_args, stop
 
 OFF = {"longgen_speculation": "off"}
 
