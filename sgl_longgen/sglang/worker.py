@@ -436,9 +436,12 @@ class SpecWorker(BaseSpecWorker):
                 for value in getattr(owner, "__dict__", {}).values():
                     if isinstance(value, torch.Tensor) and value.is_cuda:
                         value.record_stream(stream)
+        def forward():
+            queued, token, rows = self._plain_forward(batch, steps, k, roots, launched, draws[k - 1])
+            return queued, token, None if rows is None else rows.clone()  # a graph's output is overwritten
+
         key = batch_key(steps, [s.seq_len + k for s in steps])
-        self.run_ahead.queue(key, [s.state.generator for s in steps],
-                             lambda: self._plain_forward(batch, steps, k, roots, launched, draws[k - 1]))
+        self.run_ahead.queue(key, [s.state.generator for s in steps], forward)
 
     def _begin(self, batch) -> list[StepRequest]:
         steps = self.requests.begin(batch, self.drafter.penalty, ContextualPenaltyProcessor)
