@@ -43,6 +43,10 @@ steps: ``profile_verify``, ``DIR/<engine>-verify.md``).
 
 ``--plain-run-ahead on|off|both``: each method's engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD`` set
 (:mod:`sgl_longgen.sglang.run_ahead`); ``both`` runs it twice, the second as ``<METHOD>+ahead``.
+Every engine also generates ``2N`` tokens at the first context by plain steps only (a method's
+with speculation off), greedy and sampled with a seed: ``plain_step_outputs`` in the JSON gives
+the first index where its greedy output differs from plain decoding's and, for ``+ahead``, where
+its sampled output differs from the same method's without it (None: identical).
 """
 
 from __future__ import annotations
@@ -181,6 +185,37 @@ def warm_up(eng, params: list[dict]) -> None:
         eng.generate(input_ids=prompt, sampling_params={**p, "max_new_tokens": 64})
 
 
+def plain_step_outputs(eng, spec: bool, prompt: list[int], n: int) -> dict[str, list[int]]:
+    """Outputs of plain steps only (a method's with speculation off): greedy, which every engine
+    must agree on, and sampled with a seed, which a method's engines must agree on whatever their
+    settings (the draws of plain steps do not depend on how the worker queues them)."""
+    off = {"custom_params": {"longgen_speculation": "off"}} if spec else {}
+    out = {}
+    for kind, params in (("greedy", {"temperature": 0.0}), ("sampled", {"temperature": 1.0, "sampling_seed": 1234})):
+        got = eng.generate(input_ids=prompt, sampling_params={**params, **off, "ignore_eos": True, "max_new_tokens": n})
+        out[kind] = got["output_ids"]
+    return out
+
+
+def compare_outputs(outputs: dict[str, dict[str, list[int]]]) -> dict:
+    """Each engine's plain-step outputs against the reference: greedy against plain decoding's,
+    sampled against the same method's engine without ``+ahead``; the first differing index or None."""
+    def first_difference(a: list[int], b: list[int]) -> int | None:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+    result = {}
+    for name, got in outputs.items():
+        row = {}
+        if "plain" in outputs and name != "plain":
+            row["greedy_vs_plain"] = first_difference(got["greedy"], outputs["plain"]["greedy"])
+        base = name.removesuffix("+ahead")
+        if base != name and base in outputs:
+            row["sampled_vs_" + base] = first_difference(got["sampled"], outputs[base]["sampled"])
+        if row:
+            result[name] = row
+    return result
+
+
 def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts: list[list[int]]) -> dict:
     custom = {"custom_params": {"longgen_report": True}} if spec else {}
     sampled = {"temperature": 1.0, "ignore_eos": True, **custom}
@@ -305,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 128256
     prompts = {L: [rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in args.contexts}
     batch_prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(args.batch_context)] for _ in range(args.batch)]
+    outputs: dict[str, dict[str, list[int]]] = {}  # plain-step outputs per engine (compare_outputs)
     aheads = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.plain_run_ahead]
     runs = ([] if args.skip_plain else [(None, None)]) + [(a, ahead) for a in args.algorithms for ahead in aheads]
 
@@ -332,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         start = round(time.time() - t, 1)
         try:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}
+            outputs[name] = plain_step_outputs(eng, algorithm is not None, prompts[args.contexts[0]], 2 * args.tokens)
+            report["plain_step_outputs"] = compare_outputs(outputs)
             # Written before the engine stops (and again after each profile): a process that dies in
             # the profiler or at the engine's shutdown keeps what was measured.
             save()
