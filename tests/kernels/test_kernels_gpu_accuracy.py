@@ -202,10 +202,13 @@ def test_cascade_over_a_shared_prompt_matches_fp32_reference(tree_size, prefix_b
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    shared.fill_(100)  # replan with a shorter shared part (still a common prefix), then replay
-    graph_attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
-                    q_dtype=torch.bfloat16, shared_prefix_len=shared, max_prefix_len=16384)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert max_err(out, ref_o) <= ACCEPT
+    # Replan with a shorter shared part (still a common prefix), then with none (a batch that
+    # shares nothing replays the same graph), and replay.
+    for length in (100, 0):
+        shared.fill_(length)
+        graph_attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
+                        q_dtype=torch.bfloat16, shared_prefix_len=shared, max_prefix_len=16384)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert max_err(out, ref_o) <= ACCEPT, length

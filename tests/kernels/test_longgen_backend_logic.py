@@ -281,3 +281,50 @@ def test_only_a_plain_prefill_goes_to_the_prefill_backend():
     assert not _plain_prefill(batch(ForwardMode.EXTEND, spec_info=object()))
     for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DECODE, ForwardMode.MIXED):
         assert not _plain_prefill(batch(mode))
+
+
+@pytest.mark.parametrize("width", [1, N])
+def test_captured_graphs_cascade_with_each_replays_shared_length(monkeypatch, width):
+    """Opt-in cascade under CUDA graphs: captured with the shared part, replayed with the shared
+    prefix of each batch, none for a batch that shares nothing or is padded (a padding row's prefix
+    is one slot); every replay equals the reference. Plain steps (width 1) and small trees alike."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "N", width)
+    be, g = make_backend(max_bs=4)
+    be._cascade_min_shared = 256
+    rows = [5, 2, 7, 1]
+    share_rows(be, rows, 400)
+    fb, _ = verify_batch(be, g, [700, 450, 420, 430], rows)
+    be.init_forward_metadata_out_graph(fb, in_capture=True)
+    captured = be.forward_metadata.attn
+    assert captured.cascade and captured._cascade_meta[2].item() == 0  # captured over no slots
+    for lens, req_rows, pad_to, shared in (
+        ([800, 500, 410, 600], rows, None, 400),  # a common prompt of 400 slots
+        ([800, 500, 410, 600], [3, 4, 6, 0], None, 0),  # rows that share nothing
+        ([800, 500, 410], rows[:3], 4, 0),  # three requests in the graph of four
+    ):
+        fb2, trees2 = verify_batch(be, g, lens, req_rows, pad_to=pad_to)
+        be.init_forward_metadata_out_graph(fb2, in_capture=False)
+        attn = be.forward_metadata.attn
+        assert attn is captured and attn.cascade and attn._cascade_meta[2].item() == shared
+        q, k, v, layer = layer_inputs(g, 4 * width)
+        o = be.forward_extend(q, k, v, layer, fb2)
+        real = len(lens)
+        assert max_err(o.view(-1, HQ, D)[: real * width], reference(be, fb2, trees2, q, k, v, layer, real)) <= TOL[DTYPE]
+
+
+def test_graphs_of_wide_verifies_or_one_request_do_not_cascade(monkeypatch):
+    from sgl_longgen.sglang.backends import hybrid
+
+    be, g = make_backend(max_bs=4)
+    be._cascade_min_shared = 256
+    share_rows(be, [5, 2], 400)
+    monkeypatch.setattr(hybrid, "GRAPH_CASCADE_MAX_TREE", N - 1)
+    fb, _ = verify_batch(be, g, [700, 450], [5, 2])
+    be.init_forward_metadata_out_graph(fb, in_capture=True)
+    assert not be.forward_metadata.attn.cascade
+    monkeypatch.setattr(hybrid, "GRAPH_CASCADE_MAX_TREE", N)
+    fb, _ = verify_batch(be, g, [700], [5])
+    be.init_forward_metadata_out_graph(fb, in_capture=True)
+    assert not be.forward_metadata.attn.cascade
