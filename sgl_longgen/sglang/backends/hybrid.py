@@ -87,8 +87,20 @@ logger = logging.getLogger(__name__)
 CHECK_TOLERANCE = 2e-2
 
 
-
 def _cascade_min_shared() -> int:
+    """``SGLANG_LONGGEN_CASCADE_MIN_SHARED``, read when a backend is built: the shared prefix
+    length (tokens) from which a verify of several requests cascades (0, the default: never).
+
+    Opt-in: the cascade saves the shared prefix's re-reads, not its arithmetic, so
+    what it buys depends on the GPU and the tree size; ``python -m sgl_longgen.bench.kernels --mode
+    cascade`` shows it, and a few thousand tokens (e.g. 2048) is the sensible threshold where it pays.
+
+    A cascade adds one launch (the shared part) and merge states, and reads the shared slots once
+    instead of once per request. Below a few thousand shared tokens the re-reads it saves cost less
+    than that: a 2K-token prefix is about 8 MB of bf16 K/V per layer at Llama-3.1-8B's shape, a few
+    microseconds of HBM traffic per extra request. The comparison of the rows runs only when the
+    shortest prefix reaches this length, and a common prefix shorter than it is taken as none.
+    """
     raw = env.get("CASCADE_MIN_SHARED", "0")
     try:
         value = int(raw)
@@ -98,19 +110,6 @@ def _cascade_min_shared() -> int:
         raise ValueError(f"{env.name('CASCADE_MIN_SHARED')} must be a token count >= 0 (0: no cascade), got {raw!r}")
     return value
 
-
-CASCADE_MIN_SHARED = _cascade_min_shared()
-"""Shared prefix length (tokens) from which a verify of several requests cascades (0, the
-default: never). Opt-in: the cascade saves the shared prefix's re-reads, not its arithmetic, so
-what it buys depends on the GPU and the tree size; ``python -m sgl_longgen.bench.kernels --mode
-cascade`` shows it, and a few thousand tokens (e.g. 2048) is the sensible threshold where it pays.
-
-A cascade adds one launch (the shared part) and merge states, and reads the shared slots once
-instead of once per request. Below a few thousand shared tokens the re-reads it saves cost less
-than that: a 2K-token prefix is about 8 MB of bf16 K/V per layer at Llama-3.1-8B's shape, a few
-microseconds of HBM traffic per extra request. The comparison of the rows runs only when the
-shortest prefix reaches this length, and a common prefix shorter than it is taken as none.
-"""
 
 GRAPH_CASCADE_MAX_TREE = 16
 """The widest verify whose captured graphs (of two or more requests) include the cascade's shared
@@ -222,7 +221,7 @@ class LongGenAttnBackend(FlashInferAttnBackend):
         if self._disabled:
             logger.warning("longgen attention: hybrid verify disabled (%s); using FlashInfer's", self._disabled)
         self._eager_attn: Optional[HybridTreeAttention] = None
-        self._cascade_min_shared = CASCADE_MIN_SHARED
+        self._cascade_min_shared = _cascade_min_shared()
         # CUDA-graph state, created on the first captured verify batch.
         self._graph_max_bs: Optional[int] = None
         self._graph_attn: Dict[int, HybridTreeAttention] = {}
