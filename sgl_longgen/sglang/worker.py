@@ -397,18 +397,14 @@ class SpecWorker(BaseSpecWorker):
             rows = out.hidden_states.view(len(steps), -1, out.hidden_states.shape[-1])[:, 0]
         return launched, tokens, rows
 
-    _MOVED = ("seq_lens", "seq_lens_cpu", "seq_lens_sum", "forward_mode", "input_ids", "out_cache_loc", "spec_info")
-
     @contextmanager
     def _moved_batch(self, batch):
-        """The batch as SGLang gave it, back after the forwards of a run moved it along."""
-        saved = {name: getattr(batch, name) for name in self._MOVED}
-        self._batch_origin = (saved["seq_lens"], saved["seq_lens_cpu"], saved["seq_lens_sum"])
+        """The batch's lengths as SGLang gave them, back after the forwards of a run moved them."""
+        self._batch_origin = saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum)
         try:
             yield
         finally:
-            for name, value in saved.items():
-                setattr(batch, name, value)
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = saved
 
     def _move_batch(self, batch, i: int) -> None:
         """The batch's lengths ``i`` tokens past the call's committed ones (inside :meth:`_moved_batch`)."""
@@ -437,7 +433,14 @@ class SpecWorker(BaseSpecWorker):
                     if isinstance(value, torch.Tensor) and value.is_cuda:
                         value.record_stream(stream)
         def forward():
-            queued, token, rows = self._plain_forward(batch, steps, k, roots, launched, draws[k - 1])
+            # The batch leaves this call as the run's last forward left it, not as this one does.
+            fields = ("forward_mode", "input_ids", "out_cache_loc", "spec_info")
+            saved = [getattr(batch, name) for name in fields]
+            try:
+                queued, token, rows = self._plain_forward(batch, steps, k, roots, launched, draws[k - 1])
+            finally:
+                for name, value in zip(fields, saved):
+                    setattr(batch, name, value)
             return queued, token, None if rows is None else rows.clone()  # a graph's output is overwritten
 
         key = batch_key(steps, [s.seq_len + k for s in steps])
