@@ -10,8 +10,9 @@ is the same (rid, request slot, committed length per request); otherwise it is d
 
 On a GPU its graph replays on a stream of its own, so SGLang's scheduler reads the step's
 results (a device-to-host copy on the main stream) while the draft computes. Every forward of
-the worker first makes the main stream wait for it (:meth:`DraftPipeline.wait`): nothing else
-writes the KV or the graph buffers it reads meanwhile.
+the worker first makes the main stream wait for it (:meth:`QueuedSlot.wait`): nothing else
+writes the KV or the graph buffers it reads meanwhile. (:class:`QueuedSlot` also holds a run of
+plain steps' next forward, :mod:`.run_ahead`.)
 """
 
 from __future__ import annotations
@@ -52,20 +53,21 @@ def likely_finishes(req, tokens: list[int]) -> bool:
     return any(t in stops for t in tokens)
 
 
-class DraftPipeline:
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.queued: QueuedDraft | None = None
-        self.chained: tuple | None = None  # (candidates, done, span) queued behind this step's commit
+class QueuedSlot:
+    """Work queued ahead for the step with a key (``queued.key``; ``queued.done``: its event on
+    the stream it ran on, None off GPUs): that step takes it, any other drops it (:meth:`release`)."""
+
+    def __init__(self):
+        self.queued = None
 
     def wait(self) -> None:
-        """Make the current stream wait for the queued draft (before any other forward)."""
+        """Make the current stream wait for the queued work (before any other forward)."""
         queued = self.queued
         if queued is not None and queued.done is not None:
             torch.cuda.current_stream().wait_event(queued.done)
 
-    def take(self, key: tuple) -> QueuedDraft | None:
-        """The queued draft if it was made for this batch; otherwise it is dropped."""
+    def take(self, key: tuple):
+        """The queued work if it was made for this batch; otherwise it is dropped."""
         queued = self.queued
         if queued is not None and queued.key == key:
             self.queued = None
@@ -73,15 +75,30 @@ class DraftPipeline:
         self.drop()
         return None
 
+    def drop(self) -> None:
+        queued, self.queued = self.queued, None
+        if queued is not None:
+            self.release(queued)
+
+    def release(self, queued) -> None:
+        """What dropping ``queued`` takes besides forgetting it."""
+
+
+class DraftPipeline(QueuedSlot):
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.queued: QueuedDraft | None = None
+        self.chained: tuple | None = None  # (candidates, done, span) queued behind this step's commit
+
     def keep(self, key: tuple, launched: tuple) -> None:
         """Queue ``launched`` = (candidates, done, span) for the step with ``key``."""
         self.drop()
         self.queued = QueuedDraft(key, *launched)
 
-    def drop(self) -> None:
-        """Forget the queued draft once its copies have read their (reused) staging buffers."""
-        queued, self.queued = self.queued, None
-        if queued is not None and queued.done is not None:
+    def release(self, queued: QueuedDraft) -> None:
+        """A dropped draft is forgotten once its copies have read their (reused) staging buffers."""
+        if queued.done is not None:
             queued.done.synchronize()
 
     def reset(self) -> None:

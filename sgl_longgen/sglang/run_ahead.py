@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import env
+from .pipeline import QueuedSlot
 
 RUN_AHEAD_ENV = env.name("PLAIN_RUN_AHEAD")
 
@@ -56,40 +57,20 @@ class QueuedPlain:
     done: torch.cuda.Event | None  # recorded on the run-ahead stream after the draw (GPU)
 
 
-class RunAhead:
+class RunAhead(QueuedSlot):
     def __init__(self, device: torch.device, enabled: bool | None = None):
+        super().__init__()
         self.enabled = run_ahead_enabled() if enabled is None else enabled
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.enabled else None
         self.queued: QueuedPlain | None = None
 
-    def wait(self) -> None:
-        """Make the current stream wait for the queued forward (before any other forward)."""
-        queued = self.queued
-        if queued is not None and queued.done is not None:
-            torch.cuda.current_stream().wait_event(queued.done)
-
-    def take(self, key: tuple) -> QueuedPlain | None:
-        """The queued forward if it was made for this batch; otherwise it is dropped."""
-        queued = self.queued
-        if queued is not None and queued.key == key:
-            self.queued = None
-            return queued
-        self.drop()
-        return None
-
-    def drop(self) -> None:
-        """Forget the queued forward and undo its draw's use of the generators."""
-        queued, self.queued = self.queued, None
-        if queued is None:
-            return
-        self.wait_for(queued)
-        for generator, state in reversed(queued.generators):
-            generator.set_state(state)
-
-    @staticmethod
-    def wait_for(queued: QueuedPlain) -> None:
+    def release(self, queued: QueuedPlain) -> None:
+        """A dropped forward gives its draws back: the generators return to their states from
+        before it (after the current stream waits for it, so nothing else writes what it reads)."""
         if queued.done is not None:
             torch.cuda.current_stream().wait_event(queued.done)
+        for generator, state in reversed(queued.generators):
+            generator.set_state(state)
 
     def queue(self, key: tuple, generators: list[torch.Generator],
               forward: Callable[[], tuple[object, torch.Tensor, torch.Tensor | None]]) -> None:
