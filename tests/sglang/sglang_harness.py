@@ -3,8 +3,11 @@ the random-init tiny Llama in float32 with our ``longgen_torch`` attention backe
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
+from sgl_longgen import env
 from sgl_longgen.runtime import resolve_model
 
 MODEL = "tiny-random"
@@ -75,3 +78,16 @@ def stop(engine) -> None:
     from sgl_longgen.sglang.engine import stop_engine
 
     stop_engine(engine)
+
+
+@contextmanager
+def worker_settings(**settings: str):
+    """``SGLANG_LONGGEN_<KEY>`` settings for the engines started inside: their schedulers read
+    them when they build the worker."""
+    for key, value in settings.items():
+        os.environ[env.name(key)] = value
+    try:
+        yield
+    finally:
+        for key in settings:
+            os.environ.pop(env.name(key), None)

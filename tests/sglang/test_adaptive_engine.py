@@ -11,10 +11,9 @@ import pytest
 
 import math
 
-from sgl_longgen import env
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.sglang.worker import PLAIN_RUN
-from sglang_harness import PROMPTS, check_budgets, greedy, spec_args, stop
+from sglang_harness import PROMPTS, check_budgets, greedy, spec_args, stop, worker_settings
 
 NEW_TOKENS = 96
 REPORT = {"longgen_report": True}
@@ -22,15 +21,10 @@ REPORT = {"longgen_report": True}
 
 @pytest.fixture(scope="module")
 def adaptive_engine():
-    import os
-
     import sglang as sgl
 
-    os.environ[env.name("ADAPTIVE")] = "1"  # read when the scheduler builds the worker
-    try:
+    with worker_settings(ADAPTIVE="1"):
         engine = sgl.Engine(**spec_args())
-    finally:
-        del os.environ[env.name("ADAPTIVE")]
     yield engine
     stop(engine)
 

@@ -9,13 +9,10 @@ from go back).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from sglang_harness import PROMPTS, greedy, spec_args, stop
+from sglang_harness import PROMPTS, greedy, spec_args, stop, worker_settings
 
-from sgl_longgen import env
 from sgl_longgen.sglang.run_ahead import RunAhead
 
 OFF = {"longgen_speculation": "off"}
@@ -25,11 +22,8 @@ OFF = {"longgen_speculation": "off"}
 def ahead_engine():
     import sglang as sgl
 
-    os.environ[env.name("PLAIN_RUN_AHEAD")] = "1"  # read when the scheduler builds the worker
-    try:
+    with worker_settings(PLAIN_RUN_AHEAD="1"):
         engine = sgl.Engine(**spec_args())
-    finally:
-        del os.environ[env.name("PLAIN_RUN_AHEAD")]
     yield engine
     stop(engine)
 

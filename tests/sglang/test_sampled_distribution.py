@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -38,10 +37,9 @@ import torch
 from scipy.stats import chi2, chi2_contingency
 
 from helpers import fit_drafter
-from sgl_longgen import env
 from sgl_longgen.runtime import load_model
 from sgl_longgen.runtime.model import ForwardSpec
-from sglang_harness import engine_args, model_path, spec_args, stop
+from sglang_harness import engine_args, model_path, spec_args, stop, worker_settings
 
 PROMPT = [256, 5, 6, 7, 8, 9, 5, 6, 7]
 NEW_TOKENS = 4
@@ -134,12 +132,8 @@ def speculative(plain_run, target, tmp_path_factory):
             custom = {"longgen_report": True}
             if algorithm == "TOKENSWIFT-plain-runs":
                 custom["longgen_speculation"] = "off"
-            os.environ[env.name("ADAPTIVE")] = "1"  # read when the scheduler builds the worker
-            try:
-                with running(**spec_args(**BATCH)) as engine:
-                    return sample(engine, RUNS[algorithm], FIRST_SEED[algorithm], custom_params=custom)
-            finally:
-                del os.environ[env.name("ADAPTIVE")]
+            with worker_settings(ADAPTIVE="1"), running(**spec_args(**BATCH)) as engine:
+                return sample(engine, RUNS[algorithm], FIRST_SEED[algorithm], custom_params=custom)
         if algorithm == "TOKENSWIFT":
             args = spec_args(**BATCH)
         else:
