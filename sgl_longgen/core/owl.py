@@ -538,6 +538,7 @@ def attach_spec_leaves(tree: DraftTree, spec_token: int) -> list[int]:
     stays in parents-before-children order.
     """
     n = len(tree)
-    if any(src & Source.SPEC for src in tree.sources):
+    spec = int(Source.SPEC)  # plain ints: IntFlag arithmetic costs microseconds per node
+    if any(src & spec for src in tree.sources):
         raise ValueError("the tree already has [SPEC] leaves")
-    return [tree.add_leaf(node, spec_token, Source.SPEC) for node in range(n)]
+    return tree.add_leaves(range(n), spec_token, spec)

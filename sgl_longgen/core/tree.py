@@ -73,6 +73,16 @@ class DraftTree:
         self.sources.append(int(source))
         return node
 
+    def add_leaves(self, parents: Iterable[int], token: int, source: Source) -> list[int]:
+        """One leaf (:meth:`add_leaf`) of ``token`` under each of ``parents``, in one go."""
+        parents = list(parents)
+        start, depths = len(self.tokens), self.depths
+        self.tokens.extend([int(token)] * len(parents))
+        self.parents.extend(parents)
+        depths.extend([depths[p] + 1 for p in parents])
+        self.sources.extend([int(source)] * len(parents))
+        return list(range(start, start + len(parents)))
+
     def add_path(self, tokens: Iterable[int], source: Source = Source.NONE, max_nodes: int | None = None,
                  below: int = 0) -> list[int]:
         """Insert a path below node ``below`` (the root by default); returns its node ids

@@ -98,6 +98,24 @@ def test_ancestor_rows_match_the_parent_walk_on_random_tries():
         assert np.array_equal(out, expect)
 
 
+def test_leaves_added_together_are_the_leaves_added_one_by_one():
+    """``add_leaves`` (OWL's [SPEC] leaves of a whole trie) is the fast path of ``add_leaf``."""
+    rng = random.Random(3)
+    one, bulk = DraftTree(5), DraftTree(5)
+    for tree in (one, bulk):
+        for _ in range(12):
+            tree.add_path([rng.randrange(9) for _ in range(rng.randrange(1, 5))], Source.LSTM)
+        rng.seed(3)
+    assert one.tokens == bulk.tokens
+    parents = [0, 3, 3, len(one) - 1]
+    got = bulk.add_leaves(parents, 7, Source.SPEC)
+    want = [one.add_leaf(p, 7, Source.SPEC) for p in parents]
+    assert got == want
+    assert (bulk.tokens, bulk.parents, bulk.depths, bulk.sources, bulk.num_walkable) == (
+        one.tokens, one.parents, one.depths, one.sources, one.num_walkable)
+    assert all(bulk.child(p, 7) is None or bulk.child(p, 7) < bulk.num_walkable for p in parents)  # never walked into
+
+
 def test_ngram_pool_counts_and_ranks_by_frequency_then_recency():
     pool = NgramPool(n=3, top_k=5)
     seq = [1, 2, 3, 1, 2, 3, 1, 4, 5, 1, 2, 3, 1, 4, 6]
