@@ -134,7 +134,6 @@ class SpecWorker(BaseSpecWorker):
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
         self._run_cap = PLAIN_RUN  # the longest plain run the next plain call may queue (see PLAIN_RUN)
         self.run_ahead = RunAhead(self.device)  # the next plain call's first forward (see .run_ahead)
-        self._batch_origin = None  # a run's batch lengths as SGLang gave them (see _moved_batch)
 
     # -- SGLang's worker contract -----------------------------------------------------------------
 
@@ -322,20 +321,20 @@ class SpecWorker(BaseSpecWorker):
         hidden = None
         launched = None
         clock.gpu_mark("verify_gpu")
-        with self._moved_batch(batch):
+        with self._moved_batch(batch) as origin:
             for i in range(k):
                 if i == 0 and ahead is not None:
                     launched, draws[0] = ahead.launched, ahead.token
                     rows = ahead.hidden
                 else:
-                    launched, draws[i], rows = self._plain_forward(batch, steps, i, roots, launched,
+                    launched, draws[i], rows = self._plain_forward(batch, origin, steps, i, roots, launched,
                                                                    draws[i - 1] if i else None)
                 if rows is not None:
                     if hidden is None:
                         hidden = torch.empty(bs, k, rows.shape[-1], dtype=rows.dtype, device=self.device)
                     hidden[:, i] = rows
             if self._should_run_ahead(steps, k):
-                self._queue_run_ahead(batch, steps, k, roots, launched, draws)
+                self._queue_run_ahead(batch, origin, steps, k, roots, launched, draws)
         clock.gpu_mark("verify_gpu")
         host = self.env.staging("plain_run", k * bs, torch.int64)
         host.view(k, bs).copy_(draws, non_blocking=True)
@@ -378,17 +377,18 @@ class SpecWorker(BaseSpecWorker):
         clock.finish({s.rid: k for s in steps})
         return result
 
-    def _plain_forward(self, batch, steps: list[StepRequest], i: int, roots: list[Draft], last, prev_draw):
+    def _plain_forward(self, batch, origin, steps: list[StepRequest], i: int, roots: list[Draft], last, prev_draw):
         """The ``i``-th forward of a run (the roots ``i`` positions on) and its draw: (launched,
-        tokens ``[bs]``, the hidden rows ``[bs, d]`` or None). ``prev_draw``: the tokens the
-        forward before it drew, still on the device (None for the first)."""
+        tokens ``[bs]``, the hidden rows ``[bs, d]`` or None). ``origin``: the call's lengths
+        (:meth:`_moved_batch`); ``prev_draw``: the tokens the forward before it drew, still on the
+        device (None for the first)."""
         inner = steps if i == 0 else [replace(step, seq_len=step.seq_len + i) for step in steps]
         hook = lambda b: self._guarded("before_verify", steps, self.drafter.before_verify, b, inner, roots)
         if last is None:
             self.verifier.prepare(batch, inner, width=1)
             launched = self.verifier.launch(batch, inner, roots, hook)
         else:
-            self._move_batch(batch, i)
+            self._move_batch(batch, origin, i)
             launched = self.verifier.relaunch(batch, inner, last, prev_draw, hook)
         out = launched.result.logits_output
         tokens = self.verifier.draw(batch, inner, roots, out.next_token_logits)[:, 0]
@@ -399,16 +399,17 @@ class SpecWorker(BaseSpecWorker):
 
     @contextmanager
     def _moved_batch(self, batch):
-        """The batch's lengths as SGLang gave them, back after the forwards of a run moved them."""
-        self._batch_origin = saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum)
+        """The batch's lengths as SGLang gave them (yielded), back after the forwards of a run moved them."""
+        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum)
         try:
-            yield
+            yield saved
         finally:
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = saved
 
-    def _move_batch(self, batch, i: int) -> None:
-        """The batch's lengths ``i`` tokens past the call's committed ones (inside :meth:`_moved_batch`)."""
-        seq_lens, seq_lens_cpu, seq_lens_sum = self._batch_origin
+    @staticmethod
+    def _move_batch(batch, origin, i: int) -> None:
+        """The batch's lengths ``i`` tokens past the call's committed ones (``origin``)."""
+        seq_lens, seq_lens_cpu, seq_lens_sum = origin
         batch.seq_lens = seq_lens + i
         if seq_lens_cpu is not None:
             batch.seq_lens_cpu = seq_lens_cpu + i
@@ -422,7 +423,7 @@ class SpecWorker(BaseSpecWorker):
             return False
         return all(s.req.sampling_params.max_new_tokens - len(s.req.output_ids) > k for s in steps)
 
-    def _queue_run_ahead(self, batch, steps: list[StepRequest], k: int, roots: list[Draft], launched,
+    def _queue_run_ahead(self, batch, origin, steps: list[StepRequest], k: int, roots: list[Draft], launched,
                          draws: torch.Tensor) -> None:
         """The forward at ``k`` past this call's lengths, for the next call (see :mod:`.run_ahead`)."""
         stream = self.run_ahead.stream
@@ -432,12 +433,13 @@ class SpecWorker(BaseSpecWorker):
                 for value in getattr(owner, "__dict__", {}).values():
                     if isinstance(value, torch.Tensor) and value.is_cuda:
                         value.record_stream(stream)
+
         def forward():
             # The batch leaves this call as the run's last forward left it, not as this one does.
             fields = ("forward_mode", "input_ids", "out_cache_loc", "spec_info")
             saved = [getattr(batch, name) for name in fields]
             try:
-                queued, token, rows = self._plain_forward(batch, steps, k, roots, launched, draws[k - 1])
+                queued, token, rows = self._plain_forward(batch, origin, steps, k, roots, launched, draws[k - 1])
             finally:
                 for name, value in zip(fields, saved):
                     setattr(batch, name, value)
