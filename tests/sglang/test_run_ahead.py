@@ -1,6 +1,6 @@
 """The next call's first plain step, queued before a run of plain steps returns (``.run_ahead``).
 
-A TOKENSWIFT engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` (off by default)
+A TOKENSWIFT engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` (on by default on GPUs only)
 against plain decoding and against the same worker without it (the module's ``spec_engine``):
 same greedy tokens, and at temperature 1 the very same draws, including where a request ends on
 a stop token after its next forward was queued (the forward is dropped, the generators it drew
@@ -13,7 +13,7 @@ import pytest
 import torch
 from sglang_harness import PROMPTS, greedy, spec_args, stop, worker_settings
 
-from sgl_longgen.sglang.run_ahead import RunAhead
+from sgl_longgen.sglang.run_ahead import RUN_AHEAD_ENV, RunAhead, run_ahead_enabled
 
 OFF = {"longgen_speculation": "off"}
 
@@ -97,3 +97,15 @@ def test_a_dropped_forward_gives_its_draws_back():
     # Taken, the draws stand: the generators move on.
     after = torch.cat([torch.randint(0, 100, (2,), generator=shared), torch.randint(0, 100, (1,), generator=own)])
     assert not torch.equal(after, first)
+
+
+def test_on_by_default_where_the_device_has_streams(monkeypatch):
+    monkeypatch.delenv(RUN_AHEAD_ENV, raising=False)
+    assert run_ahead_enabled(torch.device("cuda")) and not run_ahead_enabled(torch.device("cpu"))
+    monkeypatch.setenv(RUN_AHEAD_ENV, "0")
+    assert not run_ahead_enabled(torch.device("cuda"))
+    monkeypatch.setenv(RUN_AHEAD_ENV, "1")
+    assert run_ahead_enabled(torch.device("cpu"))
+    monkeypatch.setenv(RUN_AHEAD_ENV, "sometimes")
+    with pytest.raises(ValueError, match=RUN_AHEAD_ENV):
+        run_ahead_enabled(torch.device("cpu"))
