@@ -249,8 +249,9 @@ class AdaptiveConfig(Strict):
     (a verify of ``2 * width`` rows). Each step then takes the width, or a plain step, expected to
     give the most tokens per second (see :mod:`sgl_longgen.core.adaptive`); a width at or above the
     method's largest trie is its whole draft. Positive, without duplicates, sorted on load. Empty
-    (the default): the whole draft only. The reference runtime takes them; SGLang's workers verify
-    at their captured width, and refuse a draft directory that sets them.
+    (the default): the whole draft only. In SGLang one width per batch, each width's verify through
+    CUDA graphs captured for it at startup (a width whose verify is not narrower than
+    ``speculative_num_draft_tokens`` rows is the whole draft).
     ``full_every``: while a narrower width wins, one speculative step in that many takes the whole
     draft, so the acceptance estimates of the wider widths keep following the text.
     """

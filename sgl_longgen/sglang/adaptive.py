@@ -24,8 +24,15 @@ what differs in a serving engine:
   engine's earlier requests of its kind (greedy, or sampled) learned
   (:class:`~sgl_longgen.core.adaptive.WorkloadPrior`), instead of warming up blind: on a workload
   whose drafts do not pay, its first steps are plain ones.
+* **One width per step.** With ``[adaptive] widths`` (trie nodes, the root included) a
+  speculative step may draft a narrower trie (its method's ``max_nodes``) and verify fewer rows,
+  each such width through CUDA graphs of its own (:mod:`.width_graphs`). The batch takes the width
+  :func:`~sgl_longgen.core.adaptive.batch_width` finds fastest from the requests' per-width
+  acceptance (each step's accepted node positions tell what every narrower cut would have
+  committed) and the shape's cost at that width. Lossless as the kind is: only past steps decide,
+  and any cut of a trie is a trie.
 * **A plain step** is a verify of the root alone (a width-1 TARGET_VERIFY: on a GPU its own CUDA
-  graph, see :mod:`.plain_graph`), the draws and commit of every other step, no draft forward;
+  graph, see :mod:`.width_graphs`), the draws and commit of every other step, no draft forward;
   the worker may queue a run of them in one call (one token each), priced per token.
 
 Per request, ``custom_params``:
@@ -34,11 +41,15 @@ Per request, ``custom_params``:
   without adaptive speculation), ``"off"`` (never: one exact token per step). The server's
   default is ``"auto"`` when the draft directory's ``[adaptive] enabled`` is true or
   ``SGLANG_LONGGEN_ADAPTIVE=1``, else ``"on"``.
+* ``longgen_width``: a fixed draft width (trie nodes, the root included) for the request's
+  speculative steps; best one of the server's ``[adaptive] widths``, whose verify graphs are
+  captured (another width verifies without a graph). A batch takes its widest request's width.
 * ``longgen_report``: true to get, on the first token of each step in ``meta_info``, the request's
   running ``longgen_spec_steps``, ``longgen_plain_steps``, ``longgen_hinted_steps`` (speculative
   steps taken on the method's hint alone), ``longgen_tau`` (tokens per speculative step),
-  ``longgen_expected_tokens`` (the controller's estimate) and the shape's measured
-  ``longgen_spec_ms`` / ``longgen_plain_ms``.
+  ``longgen_expected_tokens`` (the controller's estimate), the shape's measured
+  ``longgen_spec_ms`` / ``longgen_plain_ms`` and, where widths vary, ``longgen_width_steps``
+  (speculative steps per width, ``"full"`` for the whole draft).
 """
 
 from __future__ import annotations
@@ -51,7 +62,16 @@ import msgspec
 
 from .. import env
 from ..config import AdaptiveConfig
-from ..core.adaptive import PLAIN, SPECULATE, AdaptiveController, CostTable, StepCosts, WorkloadPrior, decide_batch
+from ..core.adaptive import (
+    PLAIN,
+    SPECULATE,
+    AdaptiveController,
+    CostTable,
+    StepCosts,
+    WorkloadPrior,
+    batch_width,
+    decide_batch,
+)
 
 AUTO, ON, OFF = "auto", "on", "off"
 MODES = (AUTO, ON, OFF)
@@ -79,6 +99,22 @@ def request_mode(req, default: str) -> str:
     return mode
 
 
+def check_width(width) -> int | None:
+    """A request's ``longgen_width`` (None: not set)."""
+    if width is None:
+        return None
+    if isinstance(width, bool) or not isinstance(width, int) or width < 2:
+        raise ValueError(f"custom_params.longgen_width must be an integer of at least 2 (trie nodes, the root "
+                         f"included), got {width!r}")
+    return width
+
+
+def widest(widths) -> int | None:
+    """The width that covers all of ``widths`` (None, the full draft, covers every width)."""
+    widths = list(widths)
+    return None if not widths or None in widths else max(widths)
+
+
 @dataclass
 class RequestAdaptive:
     """One request's adaptive state (kept in its :class:`~.requests.RequestState`)."""
@@ -86,10 +122,12 @@ class RequestAdaptive:
     mode: str
     controller: AdaptiveController | None
     report: bool
+    width: int | None = None  # longgen_width: a fixed draft width (None: the controller's, or the full draft)
     spec_steps: int = 0
     plain_steps: int = 0
     spec_tokens: int = 0
     hinted_steps: int = 0
+    width_steps: dict[str, int] = field(default_factory=dict)  # speculative steps per width ("full")
 
 
 @dataclass
@@ -102,19 +140,23 @@ class _Step:
     priced: bool = True  # its cycle is a sample of its shape's cost
     first: bool = False  # a request drafted for the first time in it (its cycle prices a first draft)
     tokens: int = 1  # plain steps it ran (a plain run's cycle is priced per step)
+    width: int | None = None  # a speculative step's draft width (None: the full draft)
 
 
 class AdaptiveSteps:
     """The worker's choice of each step's kind, its cost table and the per-request reports."""
 
-    def __init__(self, config: AdaptiveConfig, hint: Callable[[object], float | None] | None = None):
+    def __init__(self, config: AdaptiveConfig, hint: Callable[[object], float | None] | None = None,
+                 cut: Callable[[int], int | None] | None = None):
         self.config = config
+        # A wanted width as the drafter drafts it (None: that is its whole draft).
+        self.cut = cut or (lambda width: width)
         self.default = AUTO if config.enabled else ON
         self.costs = CostTable(config.decay)
         self.priors = {greedy: WorkloadPrior(config.decay, config.widths) for greedy in (True, False)}
         self.hint = hint  # a step request's method hint (None: the drafter has none)
         self._current: _Step | None = None  # the step in progress, then the last one (its cycle)
-        self._planned: tuple[frozenset, str, dict[str, bool], dict] | None = None
+        self._planned: tuple[frozenset, str, dict[str, bool], dict, int | None] | None = None
 
     # -- per request -------------------------------------------------------------------------
 
@@ -125,7 +167,8 @@ class AdaptiveSteps:
             params = step.req.sampling_params.custom_params or {}
             prior = self.priors[step.sampling.greedy]
             rs.adaptive = RequestAdaptive(mode, AdaptiveController(self.config, prior=prior) if mode == AUTO else None,
-                                          bool(params.get("longgen_report", False)))
+                                          bool(params.get("longgen_report", False)),
+                                          check_width(params.get("longgen_width")))
         return rs.adaptive
 
     # -- the step's kind ---------------------------------------------------------------------
@@ -135,7 +178,8 @@ class AdaptiveSteps:
         now = time.perf_counter()
         last = self._current
         if last is not None and last.costs is not None and (last.priced or last.first):
-            ema = (last.costs.first if last.first else last.costs.spec) if last.kind == SPECULATE else last.costs.plain
+            ema = ((last.costs.first if last.first else last.costs.at(last.width)) if last.kind == SPECULATE
+                   else last.costs.plain)
             seconds = (now - last.started) / (1 if last.kind == SPECULATE else last.tokens)
             if ema.value is None or seconds <= OUTLIER * ema.value:
                 ema.add(seconds)
@@ -147,11 +191,17 @@ class AdaptiveSteps:
         rids = frozenset(s.rid for s in steps)
         costs = self._costs(steps, 0)
         if planned is not None and planned[0] == rids:
-            kind, probes, hints = planned[1:]
+            kind, probes, hints, width = planned[1:]
         else:
-            kind, probes, hints = self._decide(steps, states, costs)
-        self._current = _Step(kind, probes, hints, costs, now)
+            kind, probes, hints, width = self._decide(steps, states, costs)
+        self._current = _Step(kind, probes, hints, costs, now, width=None if width is None else self.cut(width))
         return kind
+
+    @property
+    def width(self) -> int | None:
+        """The draft width of the step in progress (trie nodes; None: the full draft)."""
+        cur = self._current
+        return cur.width if cur is not None and cur.kind == SPECULATE else None
 
     def plan(self, steps, width: int) -> str:
         """Decide the next step's kind now (before a drafter queues its draft).
@@ -171,13 +221,13 @@ class AdaptiveSteps:
                 for s, st in zip(steps, states)):
             self._planned = None
             return PLAIN
-        kind, probes, hints = self._decide(steps, states, self._costs(steps, width))
+        kind, probes, hints, drafted = self._decide(steps, states, self._costs(steps, width))
         if kind == SPECULATE and cur is not None and cur.kind == SPECULATE and cur.probes:
             deciding = [s.rid for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
             if deciding and all(cur.probes.get(rid, False) for rid in deciding) and all(
                     st.mode != ON for st in states):
-                kind, probes, hints = PLAIN, {}, {}
-        self._planned = (frozenset(s.rid for s in steps), kind, probes, hints)
+                kind, probes, hints, drafted = PLAIN, {}, {}, None
+        self._planned = (frozenset(s.rid for s in steps), kind, probes, hints, drafted)
         return kind
 
     def probing(self) -> bool:
@@ -202,14 +252,17 @@ class AdaptiveSteps:
     def _costs(self, steps, ahead: int) -> StepCosts:
         return self.costs.get(len(steps), max(s.seq_len for s in steps) + ahead)
 
-    def _decide(self, steps, states: list[RequestAdaptive], costs: StepCosts) -> tuple[str, dict, dict]:
-        """The step's kind, which requests take it as a probe, and each deciding request's
-        (hint, whether the step is taken on it)."""
+    def _decide(self, steps, states: list[RequestAdaptive],
+                costs: StepCosts) -> tuple[str, dict, dict, int | None]:
+        """The step's kind, which requests take it as a probe, each deciding request's (hint,
+        whether the step is taken on it), and a speculative step's draft width: the widest the
+        batch's requests want (a fixed ``longgen_width``, the full draft for ``on`` without one,
+        the deciding requests' :func:`~sgl_longgen.core.adaptive.batch_width`)."""
         modes = [st.mode for st in states]
         if ON in modes and all(st.mode != AUTO for st in states):
-            return SPECULATE, {}, {}
+            return SPECULATE, {}, {}, widest(st.width for st in states if st.mode == ON)
         if all(m == OFF for m in modes):
-            return PLAIN, {}, {}
+            return PLAIN, {}, {}, None
         auto = [(s, st) for s, st in zip(steps, states) if st.mode == AUTO and s.blocker is None]
         hints = [None if self.hint is None
                  else st.controller.hint_if_due(lambda s=s: self.hint(s), time.perf_counter, costs)
@@ -220,40 +273,56 @@ class AdaptiveSteps:
             for (s, st), h in zip(auto, hints):
                 st.controller.decide(costs, h)
                 probes[s.rid] = st.controller.probing
-            return kind, probes, {s.rid: (h, False) for (s, _), h in zip(auto, hints)}
+            width = widest([*(st.width for st in states if st.mode == ON), self._auto_width(auto, costs)])
+            return kind, probes, {s.rid: (h, False) for (s, _), h in zip(auto, hints)}, width
         if not auto:  # every request blocked or off: nothing to draft
-            return PLAIN, {}, {}
+            return PLAIN, {}, {}, None
         kind, flags = decide_batch([st.controller for _, st in auto], costs, hints)
+        width = self._auto_width(auto, costs) if kind == SPECULATE else None
         return kind, {s.rid: p for (s, _), p in zip(auto, flags)}, {
-            s.rid: (h, kind == SPECULATE and st.controller.hinted) for (s, st), h in zip(auto, hints)}
+            s.rid: (h, kind == SPECULATE and st.controller.hinted) for (s, st), h in zip(auto, hints)}, width
+
+    @staticmethod
+    def _auto_width(auto, costs: StepCosts) -> int | None:
+        """The deciding requests' width: their controllers' choice, or a fixed one where a request set it."""
+        fixed = [st.width for _, st in auto if st.width is not None]
+        chosen = [st for _, st in auto if st.width is None]
+        if not chosen:
+            return widest(fixed)
+        return widest([*fixed, batch_width([st.controller for st in chosen], costs)])
 
     # -- what the step did -------------------------------------------------------------------
 
-    def record(self, steps, counts: list[int], kind: str) -> list[dict]:
+    def record(self, steps, counts: list[int], kind: str, nodes: list | None = None) -> list[dict]:
         """Each request's outcome (``counts``: tokens committed; a plain call that ran several
-        plain steps committed one per step); returns the report values of the requests that asked."""
+        plain steps committed one per step; ``nodes``: each request's accepted node positions in
+        a speculative step's trie, the root first); returns the report values of the requests that asked."""
         probes = self._current.probes if self._current is not None else {}
         hints = self._current.hints if self._current is not None else {}
         costs = self._current.costs if self._current is not None else None
+        width = self.width
         reports = []
         if kind == SPECULATE and self._current is not None:
             self._current.priced = all(self.state(s).spec_steps >= SETTLE or s.blocker is not None for s in steps)
             self._current.first = any(self.state(s).spec_steps == 0 and s.blocker is None for s in steps)
         if kind != SPECULATE and self._current is not None:
             self._current.tokens = max(counts, default=1)
-        for s, n in zip(steps, counts):
+        for i, (s, n) in enumerate(zip(steps, counts)):
             st = self.state(s)
             hint, hinted = hints.get(s.rid, (None, False))
             if kind == SPECULATE:
                 st.spec_steps += 1
                 st.spec_tokens += n
                 st.hinted_steps += hinted
+                key = "full" if width is None else str(width)
+                st.width_steps[key] = st.width_steps.get(key, 0) + 1
             else:
                 st.plain_steps += n
             c = st.controller
             if c is not None and s.blocker is None:
                 if kind == SPECULATE:
-                    c.record_spec(n, probe=probes.get(s.rid, False), costs=costs, hint=hint, hinted=hinted)
+                    c.record_spec(n, probe=probes.get(s.rid, False), costs=costs, hint=hint, hinted=hinted,
+                                  width=width, nodes=None if nodes is None else nodes[i])
                 else:
                     for _ in range(n):
                         c.record_plain()
@@ -269,6 +338,7 @@ class AdaptiveSteps:
             return None if ema is None or ema.value is None else round(ema.value * 1e3, 3)
 
         expected = st.controller.expected() if st.controller is not None else None
+        widths = {"longgen_width_steps": dict(st.width_steps)} if set(st.width_steps) - {"full"} else {}
         return {
             "longgen_spec_steps": st.spec_steps,
             "longgen_plain_steps": st.plain_steps,
@@ -277,4 +347,5 @@ class AdaptiveSteps:
             "longgen_expected_tokens": None if expected is None else round(expected, 3),
             "longgen_spec_ms": ms(costs.spec if costs else None),
             "longgen_plain_ms": ms(costs.plain if costs else None),
+            **widths,
         }

@@ -196,8 +196,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     # FlashInfer's decode wrapper: a re-plan replaces its plan object (read to skip re-planning);
     # the slots it reads when it runs (a per-layer partial-KV draft refills them per layer).
     "decode_wrapper": ("_plan_info", "_paged_kv_indices_buf"),
-    # Adaptive speculation's plain steps: a width-1 graph runner installed for their forwards.
-    "plain_graphs": ("decode_cuda_graph_runner", "attn_backend"),
+    # Adaptive speculation: graph runners of narrower verifies (plain steps, draft widths) installed for their forwards.
+    "width_graphs": ("decode_cuda_graph_runner", "attn_backend"),
     # The longgen backend's choice of FA3 for plain prefills (SGLang's FA3 backend reads a page size of 1).
     "prefill_runner": ("page_size", "dtype", "device", "model_config"),
     # LONGSPEC: the target's settings its drafter must share; the KV pool its cross-attention reads.

@@ -46,11 +46,7 @@ def read_defaults(path: Path) -> GenerateConfig:
     f = path / DEFAULTS_FILE
     if not f.is_file():
         return GenerateConfig()
-    defaults = convert(load_toml(f), GenerateConfig, str(f))
-    if defaults.adaptive.widths:
-        raise LonggenError(f"{f}: [adaptive] widths = {defaults.adaptive.widths} is a reference-runtime option; in "
-                           "SGLang a verify's width is the CUDA-graph shape the engine captured, so leave it out")
-    return defaults
+    return convert(load_toml(f), GenerateConfig, str(f))
 
 
 def _require(path: str | Path | None, algorithm: str, files: str) -> Path:

@@ -37,14 +37,20 @@ class Drafter:
         """The method's state for a request at its first decode step."""
         return None
 
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
-        """One draft per request (at most ``speculative_num_draft_tokens`` nodes, root = the
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
+        """One draft per request (at most ``speculative_num_draft_tokens`` rows, root = the
         request's last token; a blocked request gets :meth:`Draft.root_only`).
 
         ``shadow()`` queues the verify inputs that do not depend on the tries: a drafter whose
-        forward runs asynchronously calls it while that forward is on the device.
+        forward runs asynchronously calls it while that forward is on the device. ``max_nodes``:
+        the step's draft width (adaptive widths): each trie cut to its first that many nodes,
+        the root included (None: the whole draft).
         """
         raise NotImplementedError
+
+    def rows(self, max_nodes: int) -> int:
+        """Verify rows per request of a draft cut to ``max_nodes`` trie nodes (OWL adds its [SPEC] leaves)."""
+        return max_nodes
 
     def hint(self, step: StepRequest) -> float | None:
         """Draft tokens the request's next draft is expected to get accepted, judged from its

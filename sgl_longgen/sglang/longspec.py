@@ -360,7 +360,7 @@ class LongSpecDrafter(Drafter):
     # -- the step --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
         shadow()
         drafts = [Draft.root_only(s.root) for s in steps]
         index = [i for i, s in enumerate(steps) if s.blocker is None]
@@ -370,7 +370,7 @@ class LongSpecDrafter(Drafter):
         self._batch = self._inputs(batch, active)
         try:
             proposed = self.method.propose([s.rid for s in active], [s.state.method.method for s in active],
-                                           [s.history for s in active])
+                                           [s.history for s in active], max_nodes)
         finally:
             rings, self._batch = self._batch.rings, None
         for i, draft in zip(index, proposed):

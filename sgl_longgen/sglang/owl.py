@@ -141,7 +141,7 @@ class OwlDrafter(Drafter):
                 else self.method.route(step.state.method, step.rid, step.history, chain) for step in steps]
 
     @torch.no_grad()
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
         clock = self.env.clock
         queued = self.pipeline.take(batch_key(steps))
         shadow()
@@ -156,10 +156,13 @@ class OwlDrafter(Drafter):
         clock.note("draft_queued_ahead", float(beam is not None))
         clock.note("linear_steps", float(sum(r is not None and r.linear for r in routes)))
         return self.method.propose([s.rid for s in steps], [s.state.method for s in steps], [s.root for s in steps],
-                                   routes, self.env.num_nodes, beam)
+                                   routes, max_nodes or self.env.num_nodes, beam)
+
+    def rows(self, max_nodes: int) -> int:
+        return verify_width(max_nodes - 1, self.owl.spec)
 
     def before_verify(self, batch, steps: list[StepRequest], drafts: list[Draft]) -> None:
-        n = self.env.num_nodes
+        n = batch.spec_info.draft_token_num  # the step's verify width
         rows = [b * n + leaf for b, draft in enumerate(drafts) for leaf in draft.leaves]
         if rows:
             self.spec.set_rows(rows, len(drafts) * n)

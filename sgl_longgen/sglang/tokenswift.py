@@ -165,7 +165,7 @@ class TokenSwiftDrafter(Drafter):
     # -- draft -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow) -> list[Draft]:
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
         clock = self.env.clock
         queued = self.pipeline.take(batch_key(steps))
         clock.note("draft_queued_ahead", float(queued is not None))
@@ -180,22 +180,23 @@ class TokenSwiftDrafter(Drafter):
             self.method.index(step.state.method, step.history, step.sampling)
             windows.append(self.method.penalty_window(step.history, step.sampling) if step.blocker is None else None)
         shadow()
-        self._rehearse(steps, windows)
+        self._rehearse(steps, windows, max_nodes)
         clock.section("draft_shadow")
         values, ids = candidates.cpu().tolist()
         clock.section("draft_wait")
-        drafts = self._tries(steps, values, ids, windows)
+        drafts = self._tries(steps, values, ids, windows, max_nodes)
         self._last_candidates = (values, ids)
         clock.section("draft_tree")
         return drafts
 
-    def _tries(self, steps: list[StepRequest], values: list, ids: list, windows: list) -> list[Draft]:
+    def _tries(self, steps: list[StepRequest], values: list, ids: list, windows: list,
+               max_nodes: int | None) -> list[Draft]:
         return [Draft.root_only(step.root) if step.blocker is not None else
                 self.method.propose(step.state.method, step.root, values[b], ids[b], step.sampling, windows[b],
-                                    self.env.num_nodes)
+                                    max_nodes or self.env.num_nodes)
                 for b, step in enumerate(steps)]
 
-    def _rehearse(self, steps: list[StepRequest], windows: list) -> None:
+    def _rehearse(self, steps: list[StepRequest], windows: list, max_nodes: int | None) -> None:
         """Build the tries once from the previous step's candidates, and drop them.
 
         From the draft's end to the verify's launch the GPU waits for exactly this host work. Run
@@ -205,7 +206,7 @@ class TokenSwiftDrafter(Drafter):
         """
         last = self._last_candidates
         if last is not None and len(last[0]) == len(steps):
-            self._tries(steps, *last, windows)
+            self._tries(steps, *last, windows, max_nodes)
 
     def _candidates(self, normed: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor]:
         """The heads' raw top candidates (in the draft graph when there is one).

@@ -5,7 +5,7 @@ vocabulary: ``/generate`` with ``input_ids: [0, 99999]`` on a model of 258 token
 embedding lookup and kills the scheduler with an ``IndexError``, and every running request with
 it. On servers with this plugin the tokenizer manager refuses such a request (HTTP 400 on the
 server, ``ValueError`` from ``sgl.Engine``), naming the first bad id. Our own ``custom_params``
-(``longgen_speculation``) are checked there too: the worker would otherwise meet a bad value
+(``longgen_speculation``, ``longgen_width``) are checked there too: the worker would otherwise meet a bad value
 inside a step, where raising would take the scheduler down.
 """
 
@@ -29,7 +29,7 @@ def check_input_ids(result, manager, obj, input_ids, *args, **kwargs):
 
 def check_custom_params(sampling_params) -> None:
     """Our ``custom_params`` of one request's (or a batch's) sampling parameters."""
-    from .adaptive import MODES
+    from .adaptive import MODES, check_width
 
     for sp in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
         custom = sp.get("custom_params") if isinstance(sp, dict) else getattr(sp, "custom_params", None)
@@ -38,3 +38,4 @@ def check_custom_params(sampling_params) -> None:
         mode = custom.get("longgen_speculation")
         if mode is not None and mode not in MODES:
             raise ValueError(f"custom_params.longgen_speculation must be one of {', '.join(MODES)}, got {mode!r}")
+        check_width(custom.get("longgen_width"))

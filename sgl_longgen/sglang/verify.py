@@ -4,7 +4,7 @@ per node, the walk and the commit, all queued on the device before the host read
 1. Every request's trie is padded to the step's verify width (SGLang verifies a fixed width per
    request; padding hangs off the root and is never walked): ``speculative_num_draft_tokens``,
    or 1 for a plain step of adaptive speculation (the root alone, through its own CUDA graph
-   where SGLang captured the target's, see :mod:`.plain_graph`).
+   where SGLang captured the target's, see :mod:`.width_graphs`).
 2. Each node's logits become its target distribution (SGLang's logit bias, the node's own
    contextual-penalty window, temperature and SGLang's joint top-k/top-p/min-p) and one token is
    drawn there (:func:`sgl_longgen.core.verify.draw_tree`, the reference runtime's draw).

@@ -11,7 +11,7 @@ A prefill is SGLang's own target step. A decode step is, in order (:meth:`SpecWo
    (``accept_lens`` counts the bonus token).
 
 With adaptive speculation (:mod:`.adaptive`) a step may be plain instead: no draft, the roots
-alone through a width-1 verify (its own CUDA graph on GPUs, :mod:`.plain_graph`), the same
+alone through a width-1 verify (its own CUDA graph on GPUs, :mod:`.width_graphs`), the same
 draws and commit. Whichever kind a step is, the next one's is decided before a drafter may queue
 its draft behind the commit, so no draft is queued for a plain step.
 
@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import msgspec
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -55,11 +56,11 @@ from .host_profile import HostProfile
 from .inputs import relay_input
 from .penalty import ContextualPenaltyProcessor
 from .pipeline import batch_key
-from .plain_graph import capture_plain_graphs
 from .requests import RequestTable, StepRequest, activate_penalty_defaults
 from .run_ahead import RunAhead
 from .timing import StepClock, append_step_values
 from .verify import Launched, Verifier
+from .width_graphs import capture_width_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class SpecWorker(BaseSpecWorker):
         self.requests = RequestTable(self.device, int(server_args.random_seed or 0))
         self.verifier = Verifier(target_worker, self.num_nodes, self.env.vocab_size, self.device, staging,
                                  self.drafter.verify_capture)
-        self.adaptive = AdaptiveSteps(server_config(self.drafter.defaults.adaptive), self._hint)
+        self.adaptive = AdaptiveSteps(self._adaptive_config(), self._hint, cut=self._drafted_width)
         self.host_profile = HostProfile.from_env()
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
         self._run_cap = PLAIN_RUN  # the longest plain run the next plain call may queue (see PLAIN_RUN)
@@ -151,10 +152,22 @@ class SpecWorker(BaseSpecWorker):
 
     def init_cuda_graphs(self):
         """After SGLang captured the target's verify graphs: the width-1 graphs of plain steps,
-        where adaptive speculation may take them (a request may ask for it, so always)."""
-        graphs = capture_plain_graphs(self.env.runner, self.num_nodes)
-        if graphs is not None:
+        where adaptive speculation may take them (a request may ask for it, so always), and the
+        graphs of each ``[adaptive] widths`` draft width's verify."""
+        rows = [self.drafter.rows(w) for w in self.adaptive.config.widths]
+        for graphs in capture_width_graphs(self.env.runner, self.num_nodes, [1, *rows]):
             self.verifier.graphs_by_width[graphs.width] = graphs
+
+    def _adaptive_config(self):
+        """The server's ``[adaptive]``, with the draft widths narrower than a full verify (a wider
+        one is the whole draft)."""
+        config = server_config(self.drafter.defaults.adaptive)
+        widths = [w for w in config.widths if self._drafted_width(w) is not None]
+        return msgspec.structs.replace(config, widths=widths) if widths != config.widths else config
+
+    def _drafted_width(self, width: int) -> int | None:
+        """A draft width as drafted: None where its verify is not narrower than the full one."""
+        return width if 2 <= width and self.drafter.rows(width) < self.num_nodes else None
 
     def clear_cache_pool(self):
         self.run_ahead.drop()
@@ -222,7 +235,7 @@ class SpecWorker(BaseSpecWorker):
             return self._plain_run(batch, steps, run, on_publish)
         self.run_ahead.drop()  # before anything draws: its generators go back
         if speculate:
-            drafts = self._draft(batch, steps)
+            drafts = self._draft(batch, steps, self.adaptive.width)
         else:  # a plain step: the roots alone, no draft forward
             self.drafter.drop_queued()
             self.verifier.prepare(batch, steps, width=1)
@@ -237,6 +250,7 @@ class SpecWorker(BaseSpecWorker):
         clock.gpu_mark("verify_gpu")
         logits_output = launched.result.logits_output
         self._guarded("after_verify", steps, self.drafter.after_verify, steps, drafts, logits_output)
+        clock.note("verify_rows", float(launched.spec.draft_token_num))
         clock.section("verify_launch")
 
         # Queued behind the verify forward: draws, walk, commit, their read-back, maybe the next draft.
@@ -260,8 +274,8 @@ class SpecWorker(BaseSpecWorker):
             self._guarded("after_commit", steps, self.drafter.after_commit, batch, steps, verdicts)
         else:
             self.drafter.drop_queued()
-        reports = self.adaptive.record(steps, [len(v.tokens) for v in verdicts],
-                                       SPECULATE if speculate else "plain")
+        reports = self.adaptive.record(steps, [len(v.tokens) for v in verdicts], SPECULATE if speculate else "plain",
+                                       [v.nodes for v in verdicts])
         for step, verdict, report in zip(steps, verdicts, reports):
             if report is not None:
                 append_step_values(step.req, report, len(verdict.tokens))
@@ -458,12 +472,15 @@ class SpecWorker(BaseSpecWorker):
                 state.method = self._guarded("start", [step], self.drafter.start, step)
         return steps
 
-    def _draft(self, batch, steps: list[StepRequest]) -> list[Draft]:
+    def _draft(self, batch, steps: list[StepRequest], max_nodes: int | None) -> list[Draft]:
+        """The drafter's tries, cut to ``max_nodes`` nodes (None: its whole draft), and the verify
+        windows of their width."""
+        rows = None if max_nodes is None else self.drafter.rows(max_nodes)
         if self._fault_at and self.requests.step_count == self._fault_at:
             self._failed("draft", steps, RuntimeError(f"injected by {FAULT_ENV}={self._fault_at}"))
         else:
             drafts = self._guarded("draft", steps, self.drafter.draft, batch, steps,
-                                   lambda: self.verifier.prepare(batch, steps))
+                                   lambda: self.verifier.prepare(batch, steps, width=rows), max_nodes)
             if drafts is not None:
                 for step, draft in zip(steps, drafts):
                     if step.blocker is not None and len(draft.tree) > 1:

@@ -7,13 +7,14 @@ per-step report with ``longgen_report``.
 
 from __future__ import annotations
 
-import pytest
-
 import math
+import shutil
+
+import pytest
 
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.sglang.worker import PLAIN_RUN
-from sglang_harness import PROMPTS, check_budgets, greedy, spec_args, stop, worker_settings
+from sglang_harness import PROMPTS, check_budgets, greedy, heads_path, spec_args, stop, worker_settings
 
 NEW_TOKENS = 96
 REPORT = {"longgen_report": True}
@@ -163,3 +164,43 @@ def test_a_request_that_arrives_mid_run_is_admitted_at_plain_decodings_pace(adap
     assert runs[:5] == [1, 2, 4, 8, 16]  # after its own prefill
     later = runs[5:]
     assert PLAIN_RUN in later and later.index(1) > later.index(PLAIN_RUN), runs  # restarted by the arrival
+
+
+@pytest.fixture(scope="module")
+def widths_engine(tmp_path_factory):
+    """TOKENSWIFT with ``[adaptive] widths = [4, 99]`` in its draft directory: a 99-node cut is
+    not narrower than the engine's 64-row verify, so it is the whole draft."""
+    import sglang as sgl
+
+    heads = tmp_path_factory.mktemp("widths") / "heads"
+    shutil.copytree(heads_path(), heads)
+    (heads / "longgen.toml").write_text("[adaptive]\nenabled = true\nwidths = [4, 99]\n")
+    engine = sgl.Engine(**spec_args(speculative_draft_model_path=str(heads)))
+    yield engine
+    stop(engine)
+
+
+def width_steps(meta: dict) -> dict:
+    return last(meta, "longgen_width_steps") if any(v is not None for v in meta.get("longgen_width_steps", [])) else {}
+
+
+def test_draft_widths_leave_the_output_plain_decodings(plain_engine, widths_engine):
+    """Each step's width is the controller's, or the request's own ``longgen_width``: a trie cut to
+    its first nodes is still a trie, so greedy output stays plain decoding's, and the report
+    counts the steps per width."""
+    prompts = [*PROMPTS, [256] + [41, 182, 48] * 40]
+    want = plain_engine.generate(input_ids=prompts, sampling_params=greedy(NEW_TOKENS))
+    auto = widths_engine.generate(input_ids=prompts, sampling_params=params(NEW_TOKENS))
+    narrow = widths_engine.generate(input_ids=prompts, sampling_params=params(
+        NEW_TOKENS, longgen_speculation="on", longgen_width=4))
+    whole = widths_engine.generate(input_ids=prompts, sampling_params=params(
+        NEW_TOKENS, longgen_speculation="on", longgen_width=99))
+    for w, a, n, f in zip(want, auto, narrow, whole):
+        assert a["output_ids"] == n["output_ids"] == f["output_ids"] == w["output_ids"]
+        spec = steps_of(n["meta_info"])[0]
+        assert width_steps(n["meta_info"]) == {"4": spec}
+        assert width_steps(f["meta_info"]) == {}  # the whole draft only: no per-width report
+    # Cut to 4 nodes a step commits at most 4 tokens, and on the looping prompt the cut drafts
+    # are accepted (the walk runs over cut tries, not root-only ones).
+    taus = [last(n["meta_info"], "longgen_tau") for n in narrow]
+    assert max(taus) <= 4 and taus[-1] > 1.5, taus

@@ -103,9 +103,9 @@ def test_overrides_per_request(clock):
 def test_a_plan_holds_only_for_the_batch_it_was_made_for(clock):
     planner = AdaptiveSteps(AdaptiveConfig(enabled=True))
     a, b = Request("a"), Request("b")
-    planner._planned = (frozenset({"a"}), PLAIN, {}, {})
+    planner._planned = (frozenset({"a"}), PLAIN, {}, {}, None)
     assert planner.begin([a.step()]) == PLAIN  # planned for this batch: kept
-    planner._planned = (frozenset({"a"}), PLAIN, {}, {})
+    planner._planned = (frozenset({"a"}), PLAIN, {}, {}, None)
     assert planner.begin([a.step(), b.step()]) == SPECULATE  # b joined: decided afresh (b warms up)
 
 
@@ -256,3 +256,66 @@ def test_a_probe_is_told_apart_from_a_step_that_speculates_because_it_pays(clock
     probes = [p for k, p in seen if k == SPECULATE]
     assert probes[0] is False and sum(probes) >= 2  # the warm-up is no probe; later ones are
     assert all(not p for k, p in seen if k == PLAIN)
+
+
+def run_widths(planner: AdaptiveSteps, reqs, steps: int, nodes: list[int], cost: dict, clock) -> list:
+    """Steps whose accepted path is always ``nodes`` (trie positions, the root first); a step
+    costs ``cost[width]`` (None: the full draft) or ``cost[PLAIN]``. Returns each step's width
+    (PLAIN for a plain step)."""
+    taken = []
+    for _ in range(steps):
+        batch = [r.step() for r in reqs]
+        kind = planner.begin(batch)
+        width = planner.width if kind == SPECULATE else PLAIN
+        taken.append(width)
+        planner.plan(batch, 64)
+        if kind == SPECULATE:
+            cut = [n for n in nodes if width is None or n < width]
+            planner.record(batch, [len(cut)] * len(batch), kind, [cut] * len(batch))
+        else:
+            planner.record(batch, [1] * len(batch), kind)
+        clock.now += cost[width]
+    return taken
+
+
+def test_a_narrow_width_that_commits_as_much_for_less_is_taken(clock):
+    """Drafts accept their first two nodes only: a 4-node cut commits what the whole draft does
+    at half its cost, so the steps take it, and the whole draft still comes back now and then
+    (``full_every``) to keep the wider estimate current."""
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True, widths=[4], full_every=16))
+    taken = run_widths(planner, [Request("a")], 300, [0, 1, 2], {None: 3.0, 4: 1.5, PLAIN: 1.0}, clock)
+    late = taken[100:]
+    assert late.count(4) > 0.8 * len(late)
+    assert 0 < late.count(None) < 0.15 * len(late)
+    costs = planner.costs.get(1, 100)
+    assert costs.cost(4) == pytest.approx(1.5) and costs.spec.value == pytest.approx(3.0)
+    # Where the deep nodes are accepted too, the whole draft wins.
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True, widths=[4], full_every=16))
+    taken = run_widths(planner, [Request("b")], 300, list(range(12)), {None: 3.0, 4: 1.5, PLAIN: 1.0}, clock)
+    assert taken[100:].count(None) > 0.8 * len(taken[100:])
+
+
+def test_a_fixed_width_per_request_and_the_batch_takes_its_widest(clock):
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True, widths=[4, 8]))
+    narrow = Request("a", longgen_speculation="on", longgen_width=4)
+    wider = Request("b", longgen_speculation="on", longgen_width=8)
+    full = Request("c", longgen_speculation="on")
+    costs = {None: 3.0, 4: 1.5, 8: 2.0, PLAIN: 1.0}
+    assert set(run_widths(planner, [narrow], 5, [0, 1], costs, clock)) == {4}
+    assert set(run_widths(planner, [narrow, wider], 5, [0, 1], costs, clock)) == {8}
+    assert set(run_widths(planner, [narrow, full], 5, [0, 1], costs, clock)) == {None}
+    meta = planner._report(narrow.state.adaptive, None)
+    assert meta["longgen_width_steps"] == {"4": 5, "8": 5, "full": 5}
+
+
+def test_a_width_the_drafter_drafts_whole_is_the_full_draft(clock):
+    planner = AdaptiveSteps(AdaptiveConfig(enabled=True), cut=lambda width: width if width < 10 else None)
+    assert set(run_widths(planner, [Request("a", longgen_speculation="on", longgen_width=16)], 3, [0], {None: 1.0},
+                          clock)) == {None}
+
+
+def test_bad_widths_are_refused_before_the_scheduler():
+    check_custom_params({"custom_params": {"longgen_width": 4}})
+    for bad in (1, 0, "4", 2.0, True):
+        with pytest.raises(ValueError, match="longgen_width"):
+            check_custom_params({"custom_params": {"longgen_width": bad}})

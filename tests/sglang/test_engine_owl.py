@@ -163,3 +163,22 @@ def test_howl_mixes_linear_and_tree_steps(plain_engine, howl_engine):
     linear = sum(steps, [])
     assert 0 < sum(linear) < len(linear), steps
     assert any(a == 1.0 and b == 0.0 for s in steps for a, b in zip(s, s[1:]))  # a tree right after a chain
+
+
+@pytest.mark.parametrize("algorithm", ["OWL", "HOWL"])
+def test_a_narrow_draft_width_is_identical(plain_engine, owl_engine, howl_engine, algorithm):
+    """``longgen_width`` 4: OWL's trees cut to 4 nodes with their [SPEC] leaves on top (8 verify
+    rows instead of the full width), HOWL's chains to 3 tokens; same output, drafts accepted."""
+    engine = owl_engine if algorithm == "OWL" else howl_engine
+    custom = {"longgen_speculation": "on", "longgen_width": 4, "longgen_report": True, "longgen_timing": "host"}
+    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(NEW_TOKENS, custom_params=custom))
+    taus = []
+    for w, g in zip(want, got):
+        meta = g["meta_info"]
+        assert g["output_ids"] == w["output_ids"]
+        assert [v for v in meta["longgen_width_steps"] if v is not None][-1] == {"4": meta["spec_verify_ct"]}
+        rows = {v for v in meta["longgen_verify_rows"] if v is not None}
+        assert rows == {8.0}, rows  # 4 nodes and their [SPEC] leaves (a HOWL chain's padded to them)
+        taus.append(meta["spec_accept_length"])
+    assert max(taus) <= 4 and max(taus) > 1.5, taus

@@ -23,6 +23,8 @@ likely (about 0.4): the flatter the law, the more a lean toward it shows.
 of plain and speculative ones, decided from measured times, and the law must not change.
 ``TOKENSWIFT-plain-runs`` turns speculation off per request: tokens 2-4 come from one run of three
 plain steps queued back to back, each fed the token the one before drew on the device.
+``TOKENSWIFT-width-4`` speculates on every step with each trie cut to its first 4 nodes
+(``longgen_width``, adaptive widths' narrow verify).
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ PROMPT = [256, 5, 6, 7, 8, 9, 5, 6, 7]
 NEW_TOKENS = 4
 SAMPLING = {"max_new_tokens": NEW_TOKENS, "temperature": 1.5, "top_k": 4, "ignore_eos": True}
 PLAIN_RUNS = 12_000
-RUNS = {"TOKENSWIFT": 4_000, "OWL": 1_500, "HOWL": 1_500, "TOKENSWIFT-adaptive": 1_500, "TOKENSWIFT-plain-runs": 1_500}
+RUNS = {"TOKENSWIFT": 4_000, "OWL": 1_500, "HOWL": 1_500, "TOKENSWIFT-adaptive": 1_500, "TOKENSWIFT-plain-runs": 1_500,
+        "TOKENSWIFT-width-4": 1_500}
 # Disjoint seed ranges: the samples must be independent of one another.
 FIRST_SEED = {"plain": 1_000_000, "fit": 2_000_000, "TOKENSWIFT": 0, "OWL": 100_000, "HOWL": 200_000,
-              "TOKENSWIFT-adaptive": 300_000, "TOKENSWIFT-plain-runs": 400_000}
+              "TOKENSWIFT-adaptive": 300_000, "TOKENSWIFT-plain-runs": 400_000, "TOKENSWIFT-width-4": 500_000}
 BATCH = dict(max_running_requests=128, max_total_tokens=32768)
 DRAFT_VOCAB = 48  # HOWL's reduced head, of the tiny model's 258 tokens
 ALPHA = 1e-3
@@ -132,6 +135,8 @@ def speculative(plain_run, target, tmp_path_factory):
             custom = {"longgen_report": True}
             if algorithm == "TOKENSWIFT-plain-runs":
                 custom["longgen_speculation"] = "off"
+            if algorithm == "TOKENSWIFT-width-4":
+                custom.update(longgen_speculation="on", longgen_width=4)
             with worker_settings(ADAPTIVE="1"), running(**spec_args(**BATCH)) as engine:
                 return sample(engine, RUNS[algorithm], FIRST_SEED[algorithm], custom_params=custom)
         if algorithm == "TOKENSWIFT":
@@ -214,7 +219,8 @@ def lean_toward_the_draft(samples: np.ndarray, likeliest, rng: np.random.Generat
 # tests
 
 
-@pytest.mark.parametrize("algorithm", ["TOKENSWIFT", "OWL", "HOWL", "TOKENSWIFT-adaptive", "TOKENSWIFT-plain-runs"])
+@pytest.mark.parametrize("algorithm", ["TOKENSWIFT", "OWL", "HOWL", "TOKENSWIFT-adaptive", "TOKENSWIFT-plain-runs",
+                                       "TOKENSWIFT-width-4"])
 def test_sampled_tokens_follow_the_plain_engines_law(algorithm, plain, speculative, likeliest):
     samples, accept, metas = speculative(algorithm)
     if algorithm.endswith("plain-runs"):
@@ -224,6 +230,10 @@ def test_sampled_tokens_follow_the_plain_engines_law(algorithm, plain, speculati
         runs = [sum(v is not None for v in m["longgen_plain_steps"]) for m in metas]
         assert np.mean(np.array(runs) < NEW_TOKENS - 1) > 0.9, Counter(runs)
         assert all(m["spec_verify_ct"] == NEW_TOKENS - 1 for m in metas)  # still one verify per forward
+    elif algorithm.endswith("width-4"):
+        widths = Counter(k for m in metas for k in [v for v in m["longgen_width_steps"] if v is not None][-1])
+        assert set(widths) == {"4"}, widths  # every step verified the 4-node cut
+        assert accept > 1.2, accept
     elif algorithm.endswith("adaptive"):
         spec, plain_steps = step_kinds(metas)
         assert spec > 0 and plain_steps > 0, (spec, plain_steps)  # both kinds of step drew tokens

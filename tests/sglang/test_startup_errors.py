@@ -86,13 +86,6 @@ def test_per_head_partial_kv_is_refused_naming_the_file(tmp_path):
         start(tmp_path / "heads")
 
 
-def test_adaptive_widths_are_refused_naming_the_file(tmp_path):
-    shutil.copytree(heads_path(), tmp_path / "heads")
-    (tmp_path / "heads" / "longgen.toml").write_text("[adaptive]\nenabled = true\nwidths = [8, 16]\n")
-    with pytest.raises(ValueError, match=r"longgen.toml: \[adaptive\] widths = \[8, 16\] is a reference-runtime option"):
-        start(tmp_path / "heads")
-
-
 @pytest.mark.parametrize("backend", ["fa3", "torch_native", "triton"])
 def test_attention_backends_that_cannot_verify_our_trees_are_refused(backend):
     import sglang as sgl
