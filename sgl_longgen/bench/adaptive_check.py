@@ -47,6 +47,11 @@ Every engine also generates ``2N`` tokens at the first context by plain steps on
 with speculation off), greedy and sampled with a seed: ``plain_step_outputs`` in the JSON gives
 the first index where its greedy output differs from plain decoding's and, for ``+ahead``, where
 its sampled output differs from the same method's without it (None: identical).
+
+``--widths W ...``: the methods' draft directories get ``[adaptive] widths`` (each width's verify
+graphs captured at startup), so ``greedy`` (auto) may take them, and each width is also timed
+fixed (``greedy_w<W>``: speculation on, ``longgen_width`` W), next to ``greedy_on`` (the whole
+draft): the fixed settings adaptive widths must at least match.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from .gpu_check import make_checkpoints, make_owl_drafter
 from .kernel_trace import markdown, summarize
 
 REPORT_KEYS = ("longgen_spec_steps", "longgen_plain_steps", "longgen_hinted_steps", "longgen_tau", "longgen_spec_ms",
-               "longgen_plain_ms")
+               "longgen_plain_ms", "longgen_width_steps")
 
 
 def engine(model: Path, algorithm: str | None, draft: Path | None, args):
@@ -81,6 +86,18 @@ def engine(model: Path, algorithm: str | None, draft: Path | None, args):
         if draft is not None:
             kw.update(speculative_draft_model_path=str(draft))
     return open_engine(**kw)
+
+
+def with_widths(draft: Path, widths: list[int]) -> None:
+    """``[adaptive] widths`` added to the draft directory's ``longgen.toml`` (kept as it was otherwise)."""
+    toml = draft / "longgen.toml"
+    text = toml.read_text() if toml.exists() else ""
+    table = f"[adaptive]\nwidths = {list(widths)}\n"
+    if table in text:  # a directory shared by two engines of a run
+        return
+    if "[adaptive]" in text:
+        raise ValueError(f"{toml} already has an [adaptive] table")
+    toml.write_text(text + ("\n" if text and not text.endswith("\n") else "") + table)
 
 
 def final_report(meta: dict) -> dict:
@@ -239,6 +256,9 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
         kinds = {"greedy": greedy}
         if spec:
             kinds["greedy_on"] = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on"}}
+            for w in args.widths:
+                kinds[f"greedy_w{w}"] = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on",
+                                                                     "longgen_width": w}}
         runs: dict[str, list] = {name: [] for name in kinds}
         for _ in range(args.repeats):  # the kinds interleaved: a drift of the host's speed hits both alike
             for name, params in kinds.items():
@@ -320,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="greedy requests (auto and on) per context, interleaved; the figures are their medians "
                         "(a 98K request's set-up varies by tens of ms run to run: tenths of a ms per token)")
+    p.add_argument("--widths", type=int, nargs="*", default=[],
+                   help="[adaptive] widths of the methods' draft directories, each also timed fixed (greedy_w<W>)")
     p.add_argument("--plain-run-ahead", choices=("default", "on", "off", "both"), default="default",
                    help="queue a plain run's next forward before the call returns (default: the worker's default)")
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
@@ -353,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             draft = heads
         elif algorithm in ("OWL", "HOWL"):
             draft = make_owl_drafter(root, args.owl_width, args.owl_draft_vocab)
+        if draft is not None and args.widths:
+            with_widths(draft, args.widths)
         name = (algorithm or "plain") + ("+ahead" if ahead and args.plain_run_ahead == "both" else "")
         print(f"{name}:", flush=True)
         if algorithm is not None:
