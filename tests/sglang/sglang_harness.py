@@ -4,6 +4,7 @@ the random-init tiny Llama in float32 with our ``longgen_torch`` attention backe
 from __future__ import annotations
 
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,6 +42,13 @@ def engine_args(**extra) -> dict:
     )
     args.update(extra)
     return args
+
+
+def heads_with(directory: Path, defaults: str) -> Path:
+    """A copy of the test heads in ``directory`` whose ``longgen.toml`` holds ``defaults``."""
+    shutil.copytree(heads_path(), directory)
+    (directory / "longgen.toml").write_text(defaults)
+    return directory
 
 
 def spec_args(**extra) -> dict:

@@ -8,13 +8,12 @@ per-step report with ``longgen_report``.
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.sglang.worker import PLAIN_RUN
-from sglang_harness import PROMPTS, check_budgets, greedy, heads_path, spec_args, stop, worker_settings
+from sglang_harness import PROMPTS, check_budgets, greedy, heads_with, spec_args, stop, worker_settings
 
 NEW_TOKENS = 96
 REPORT = {"longgen_report": True}
@@ -172,9 +171,7 @@ def widths_engine(tmp_path_factory):
     not narrower than the engine's 64-row verify, so it is the whole draft."""
     import sglang as sgl
 
-    heads = tmp_path_factory.mktemp("widths") / "heads"
-    shutil.copytree(heads_path(), heads)
-    (heads / "longgen.toml").write_text("[adaptive]\nenabled = true\nwidths = [4, 99]\n")
+    heads = heads_with(tmp_path_factory.mktemp("widths") / "heads", "[adaptive]\nenabled = true\nwidths = [4, 99]\n")
     engine = sgl.Engine(**spec_args(speculative_draft_model_path=str(heads)))
     yield engine
     stop(engine)

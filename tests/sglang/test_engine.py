@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 
-from sglang_harness import CONTEXT, PROMPTS, check_budgets, greedy, heads_path, spec_args, stop
+from sglang_harness import CONTEXT, PROMPTS, check_budgets, greedy, heads_with, spec_args, stop
 
 NEW_TOKENS = 256
 PENALTY = {"penalty": 1.2, "penalty_window": 64}
@@ -21,9 +20,7 @@ def spec_engine(tmp_path_factory):
     every few dozen tokens."""
     import sglang as sgl
 
-    heads = tmp_path_factory.mktemp("heads") / "tokenswift-heads"
-    shutil.copytree(heads_path(), heads)
-    (heads / "longgen.toml").write_text("[tokenswift.partial_kv]\nbudget = 64\nsinks = 4\n")
+    heads = heads_with(tmp_path_factory.mktemp("heads") / "tokenswift-heads", "[tokenswift.partial_kv]\nbudget = 64\nsinks = 4\n")
     engine = sgl.Engine(**spec_args(speculative_draft_model_path=str(heads)))
     yield engine
     stop(engine)

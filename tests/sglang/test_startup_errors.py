@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from sgl_longgen.core.heads import TokenSwiftHeads
-from sglang_harness import engine_args, heads_path
+from sglang_harness import engine_args, heads_path, heads_with
 
 
 def start(draft_dir):
@@ -50,8 +50,7 @@ def test_weights_that_do_not_match_their_config(tmp_path):
 
 
 def test_invalid_defaults_file(tmp_path):
-    shutil.copytree(heads_path(), tmp_path / "heads")
-    (tmp_path / "heads" / "longgen.toml").write_text("[tokenswift.partial_kv]\nbudget = 0\n")
+    heads_with(tmp_path / "heads", "[tokenswift.partial_kv]\nbudget = 0\n")
     with pytest.raises(ValueError, match=r"longgen.toml.*budget"):
         start(tmp_path / "heads")
 
@@ -80,8 +79,7 @@ def test_paged_kv_pools_are_refused():
 
 
 def test_per_head_partial_kv_is_refused_naming_the_file(tmp_path):
-    shutil.copytree(heads_path(), tmp_path / "heads")
-    (tmp_path / "heads" / "longgen.toml").write_text('[tokenswift.partial_kv]\ngranularity = "head"\n')
+    heads_with(tmp_path / "heads", '[tokenswift.partial_kv]\ngranularity = "head"\n')
     with pytest.raises(ValueError, match=r"longgen.toml: \[tokenswift.partial_kv\] granularity = 'head'"):
         start(tmp_path / "heads")
 

@@ -10,14 +10,13 @@ the ranks' attention heads. Each engine is started once, used, and stopped befor
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
 
 from sgl_longgen.runtime import load_model
 from helpers import fit_drafter
-from sglang_harness import PROMPTS, engine_args, greedy, heads_path, model_path, spec_args, stop
+from sglang_harness import PROMPTS, engine_args, greedy, heads_with, model_path, spec_args, stop
 
 TP = 2
 NEW_TOKENS = 96
@@ -74,9 +73,7 @@ def check(reference, outs, min_tau: float) -> None:
 
 def test_tokenswift_tp2_greedy_is_identical(reference, tmp_path):
     # A partial KV of 64 positions: these requests re-select it (scores summed over the ranks).
-    heads = tmp_path / "tokenswift-heads"
-    shutil.copytree(heads_path(), heads)
-    (heads / "longgen.toml").write_text("[tokenswift.partial_kv]\nbudget = 64\nsinks = 4\n")
+    heads = heads_with(tmp_path / "tokenswift-heads", "[tokenswift.partial_kv]\nbudget = 64\nsinks = 4\n")
     check(reference, run(spec_args(tp_size=TP, speculative_draft_model_path=str(heads))), min_tau=1.5)
 
 

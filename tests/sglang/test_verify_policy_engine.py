@@ -5,21 +5,17 @@ policy refused on a backend that cannot score the verify."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
-from sglang_harness import PROMPTS, engine_args, greedy, heads_path, spec_args, stop
+from sglang_harness import PROMPTS, engine_args, greedy, heads_with, spec_args, stop
 
 NEW_TOKENS = 320
 SETTINGS = '[tokenswift.partial_kv]\nbudget = 64\nsinks = 4\npolicy = "verify"\n'
 
 
 def verify_heads(root):
-    heads = root / "tokenswift-heads"
-    shutil.copytree(heads_path(), heads)
-    (heads / "longgen.toml").write_text(SETTINGS)
-    return heads
+    return heads_with(root / "tokenswift-heads", SETTINGS)
 
 
 @pytest.fixture(scope="module")
