@@ -273,7 +273,10 @@ class AdaptiveSteps:
             for (s, st), h in zip(auto, hints):
                 st.controller.decide(costs, h)
                 probes[s.rid] = st.controller.probing
-            width = widest([*(st.width for st in states if st.mode == ON), self._auto_width(auto, costs)])
+            wants = [st.width for st in states if st.mode == ON]
+            if auto:
+                wants.append(self._auto_width(auto, costs))
+            width = widest(wants)
             return kind, probes, {s.rid: (h, False) for (s, _), h in zip(auto, hints)}, width
         if not auto:  # every request blocked or off: nothing to draft
             return PLAIN, {}, {}, None

@@ -306,6 +306,15 @@ def test_a_fixed_width_per_request_and_the_batch_takes_its_widest(clock):
     assert set(run_widths(planner, [narrow, full], 5, [0, 1], costs, clock)) == {None}
     meta = planner._report(narrow.state.adaptive, None)
     assert meta["longgen_width_steps"] == {"4": 5, "8": 5, "full": 5}
+    # Requests that do not decide (speculation off, or an auto one whose sampling blocks drafting)
+    # leave the width to the others.
+    off = Request("d", longgen_speculation="off")
+    assert set(run_widths(planner, [narrow, off], 5, [0, 1], costs, clock)) == {4}
+    blocked = Request("f")
+    blocked.step = lambda seq_len=100: SimpleNamespace(**{**vars(Request.step(blocked, seq_len)), "blocker": "grammar"})
+    assert set(run_widths(planner, [narrow, blocked], 5, [0, 1], costs, clock)) == {4}
+    auto = Request("e")
+    assert None in run_widths(planner, [narrow, auto], 5, [0, 1], costs, clock)  # its warm-up: the whole draft
 
 
 def test_a_width_the_drafter_drafts_whole_is_the_full_draft(clock):
