@@ -37,14 +37,14 @@ class Drafter:
         """The method's state for a request at its first decode step."""
         return None
 
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
-        """One draft per request (at most ``speculative_num_draft_tokens`` rows, root = the
-        request's last token; a blocked request gets :meth:`Draft.root_only`).
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int) -> list[Draft]:
+        """One draft per request (root = the request's last token; a blocked request gets
+        :meth:`Draft.root_only`), each trie cut to its first ``max_nodes`` nodes, the root included:
+        the step's draft width (adaptive widths), or ``speculative_num_draft_tokens`` for the whole
+        draft (which a trie with its [SPEC] leaves fits).
 
         ``shadow()`` queues the verify inputs that do not depend on the tries: a drafter whose
-        forward runs asynchronously calls it while that forward is on the device. ``max_nodes``:
-        the step's draft width (adaptive widths): each trie cut to its first that many nodes,
-        the root included (None: the whole draft).
+        forward runs asynchronously calls it while that forward is on the device.
         """
         raise NotImplementedError
 

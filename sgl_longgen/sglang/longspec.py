@@ -360,7 +360,7 @@ class LongSpecDrafter(Drafter):
     # -- the step --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int) -> list[Draft]:
         shadow()
         drafts = [Draft.root_only(s.root) for s in steps]
         index = [i for i, s in enumerate(steps) if s.blocker is None]

@@ -141,7 +141,7 @@ class OwlDrafter(Drafter):
                 else self.method.route(step.state.method, step.rid, step.history, chain) for step in steps]
 
     @torch.no_grad()
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int) -> list[Draft]:
         clock = self.env.clock
         queued = self.pipeline.take(batch_key(steps))
         shadow()
@@ -156,7 +156,7 @@ class OwlDrafter(Drafter):
         clock.note("draft_queued_ahead", float(beam is not None))
         clock.note("linear_steps", float(sum(r is not None and r.linear for r in routes)))
         return self.method.propose([s.rid for s in steps], [s.state.method for s in steps], [s.root for s in steps],
-                                   routes, max_nodes or self.env.num_nodes, beam)
+                                   routes, max_nodes, beam)
 
     def rows(self, max_nodes: int) -> int:
         return verify_width(max_nodes - 1, self.owl.spec)

@@ -165,7 +165,7 @@ class TokenSwiftDrafter(Drafter):
     # -- draft -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int | None = None) -> list[Draft]:
+    def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int) -> list[Draft]:
         clock = self.env.clock
         queued = self.pipeline.take(batch_key(steps))
         clock.note("draft_queued_ahead", float(queued is not None))
@@ -189,14 +189,13 @@ class TokenSwiftDrafter(Drafter):
         clock.section("draft_tree")
         return drafts
 
-    def _tries(self, steps: list[StepRequest], values: list, ids: list, windows: list,
-               max_nodes: int | None) -> list[Draft]:
+    def _tries(self, steps: list[StepRequest], values: list, ids: list, windows: list, max_nodes: int) -> list[Draft]:
         return [Draft.root_only(step.root) if step.blocker is not None else
                 self.method.propose(step.state.method, step.root, values[b], ids[b], step.sampling, windows[b],
-                                    max_nodes or self.env.num_nodes)
+                                    max_nodes)
                 for b, step in enumerate(steps)]
 
-    def _rehearse(self, steps: list[StepRequest], windows: list, max_nodes: int | None) -> None:
+    def _rehearse(self, steps: list[StepRequest], windows: list, max_nodes: int) -> None:
         """Build the tries once from the previous step's candidates, and drop them.
 
         From the draft's end to the verify's launch the GPU waits for exactly this host work. Run

@@ -472,10 +472,10 @@ class SpecWorker(BaseSpecWorker):
                 state.method = self._guarded("start", [step], self.drafter.start, step)
         return steps
 
-    def _draft(self, batch, steps: list[StepRequest], max_nodes: int | None) -> list[Draft]:
-        """The drafter's tries, cut to ``max_nodes`` nodes (None: its whole draft), and the verify
-        windows of their width."""
-        rows = None if max_nodes is None else self.drafter.rows(max_nodes)
+    def _draft(self, batch, steps: list[StepRequest], width: int | None) -> list[Draft]:
+        """The drafter's tries, cut to ``width`` nodes (None: its whole draft), and the verify
+        windows of their rows."""
+        max_nodes, rows = (self.num_nodes,) * 2 if width is None else (width, self.drafter.rows(width))
         if self._fault_at and self.requests.step_count == self._fault_at:
             self._failed("draft", steps, RuntimeError(f"injected by {FAULT_ENV}={self._fault_at}"))
         else:
