@@ -13,7 +13,9 @@ captured), ms per generated token, measured as the wall time of an ``N + 1``-tok
   ``2N``-token request less an ``N``-token one, per token (``sampled_steady_ms``: what each token
   of a long generation costs once the request is set up);
 * ``greedy``: dummy weights' greedy text loops, the repetitive upper bound for drafting, with the
-  controller (``auto``) and with speculation forced on every step (``on``, the fixed setting);
+  controller (``auto``) and with each fixed setting: speculation on every step (``on``) and
+  never (``off``: the method's engine decoding by plain steps, which ``auto`` must match where
+  drafts do not pay);
   ``--repeats K`` runs each K times, interleaved, and reports the medians (``*_runs``: each run);
 * ``*_decode_ms`` beside each single-request figure: the same request (streamed) timed from its
   first token to its last, per token after the first. The prefill measured on another request
@@ -256,6 +258,7 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
         kinds = {"greedy": greedy}
         if spec:
             kinds["greedy_on"] = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on"}}
+            kinds["greedy_off"] = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "off"}}
             for w in args.widths:
                 kinds[f"greedy_w{w}"] = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on",
                                                                      "longgen_width": w}}
@@ -323,6 +326,12 @@ def profile(eng, name: str, prompt: list[int], args, params: dict | None = None)
 VERIFY_PARAMS = {"temperature": 0.0, "ignore_eos": True, "custom_params": {"longgen_speculation": "on"}}
 
 
+def plain_greedy(spec: bool) -> dict:
+    """``--profile-greedy``'s request: greedy plain steps (a method's with speculation off)."""
+    off = {"custom_params": {"longgen_speculation": "off"}} if spec else {}
+    return {"temperature": 0.0, "ignore_eos": True, **off}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("adaptive_check.json"))
@@ -346,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="queue a plain run's next forward before the call returns (default: the worker's default)")
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
     p.add_argument("--profile", type=Path, help="profile each engine's decode steps into this directory")
+    p.add_argument("--profile-greedy", action="store_true",
+                   help="profile greedy plain steps (speculation off) instead of sampled ones and verify steps")
     p.add_argument("--profile-steps", type=int, default=48, help="decode steps (scheduler steps) profiled")
     p.add_argument("--profile-context", type=int, default=None,
                    help="the --contexts length whose prompt the profiled requests take (default: the first)")
@@ -400,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile is not None:
                 at = prompts[args.profile_context or args.contexts[0]]
                 try:
-                    report[name]["profile"] = profile(eng, name, at, args)
+                    report[name]["profile"] = profile(eng, name, at, args,
+                                                      plain_greedy(algorithm is not None) if args.profile_greedy else None)
                     save()
-                    if algorithm is not None:
+                    if algorithm is not None and not args.profile_greedy:
                         report[name]["profile_verify"] = profile(eng, f"{name}-verify", at, args, VERIFY_PARAMS)
                 except Exception as exc:  # noqa: BLE001 - the measurements above stand without it
                     report[name]["profile_error"] = f"{type(exc).__name__}: {exc}"
