@@ -50,6 +50,10 @@ with speculation off), greedy and sampled with a seed: ``plain_step_outputs`` in
 the first index where its greedy output differs from plain decoding's and, for ``+ahead``, where
 its sampled output differs from the same method's without it (None: identical).
 
+``--sections``: at every context, one more ``2N``-token request of each greedy setting (auto, on,
+off, each width) with the step timing on, summarized as the median of each section per kind of
+step (``sections``: where a setting's step time goes, e.g. a narrow width's draft against its verify).
+
 ``--widths W ...``: the methods' draft directories get ``[adaptive] widths`` (each width's verify
 graphs captured at startup), so ``greedy`` (auto) may take them, and each width is also timed
 fixed (``greedy_w<W>``: speculation on, ``longgen_width`` W), next to ``greedy_on`` (the whole
@@ -122,6 +126,20 @@ def timeline(meta: dict) -> list[dict]:
         if row:
             rows.append({"token": i, **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}})
     return rows
+
+
+def section_medians(steps: list[dict], skip: int = 2) -> dict:
+    """Per kind of step (``plain``, ``spec``), the median of each ``*_ms`` section and note over
+    the steps of a :func:`timeline` after its first ``skip`` (a request's set-up), and the count."""
+    out: dict = {}
+    for kind in ("plain", "spec"):
+        rows = [r for r in steps[skip:] if (r.get("plain_step", 0.0) == 1.0) == (kind == "plain")]
+        if not rows:
+            continue
+        keys = sorted({k for r in rows for k, v in r.items() if k != "token" and isinstance(v, (int, float))})
+        out[kind] = {"steps": len(rows), **{k: round(statistics.median(r[k] for r in rows if k in r), 3)
+                                            for k in keys if k != "plain_step"}}
+    return out
 
 
 @dataclass
@@ -281,6 +299,14 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
                 out = eng.generate(input_ids=prompt, sampling_params=timed)
                 row["timeline"][name] = {"wall_s": round(time.time() - t, 4),
                                          "steps": timeline(out["meta_info"])}
+        if spec and args.sections:
+            row["sections"] = {}
+            for name, params in kinds.items():
+                timed = {**params, "max_new_tokens": 2 * args.tokens + 1,
+                         "custom_params": {**params["custom_params"], "longgen_timing": "host"}}
+                out = eng.generate(input_ids=prompt, sampling_params=timed)
+                row["sections"][name] = section_medians(timeline(out["meta_info"]))
+                print(f"  {L} {name} sections: {row['sections'][name]}", flush=True)
         print(f"  {L}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         result[str(L)] = row
     if args.batch:
@@ -354,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain-run-ahead", choices=("default", "on", "off", "both"), default="default",
                    help="queue a plain run's next forward before the call returns (default: the worker's default)")
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
+    p.add_argument("--sections", action="store_true",
+                   help="at each context, one more request of each greedy setting with the step timing on: the "
+                        "median of each section per kind of step (``sections`` in the JSON)")
     p.add_argument("--profile", type=Path, help="profile each engine's decode steps into this directory")
     p.add_argument("--profile-greedy", action="store_true",
                    help="profile greedy plain steps (speculation off) instead of sampled ones and verify steps")

@@ -47,8 +47,9 @@ approximation when sampling (the draws past the cut would differ) and when a met
 its width (HOWL scores its chain as cut). It needs no more than that: the estimates only choose
 the next step's width, and any choice made from past steps alone is lossless by the argument
 above (a narrower trie is just another draft). A width whose cost is not measured yet counts
-as paying and is tried once its acceptance is known: one step per width (per cost bucket in an
-engine), after which it is priced like the others. While a narrower width wins, one speculative
+as paying and is tried once its acceptance is known, if at a plain step's price (no step costs
+less) it would beat the best measured width: one step per width (per cost bucket in an engine),
+after which it is priced like the others. While a narrower width wins, one speculative
 step in ``full_every`` and every probe take the full draft, so every width's estimate keeps
 getting samples (and a width's cost is re-measured whenever it is taken: one measured at a
 shorter context looks cheap, gets taken, and is priced again).
@@ -457,10 +458,17 @@ class AdaptiveController:
             return None, False
         if costs.spec.value is None:
             return None, True  # price the full draft first
-        for width in self.widths:  # a width whose acceptance is known but whose cost is not: try it
-            if self.at_width[width].value is not None and costs.cost(width) is None:
-                return width, True
         width = self.best_width(costs)
+        best_e, best_cost, plain = self.at_width[width].value, costs.cost(width), costs.plain.value
+        if best_e is None:
+            return None, True  # the full draft's acceptance first: every width's sample comes with it
+        for narrow in self.widths:  # a width whose acceptance is known but whose cost is not: try it
+            e = self.at_width[narrow].value
+            # ... where it can win: no step costs less than a plain one, so at a plain step's price
+            # its expected tokens must beat the best measured width's rate (a cut that keeps few of
+            # the accepted nodes, such as TokenSwift's n-gram chains behind its head tree, never is).
+            if e is not None and costs.cost(narrow) is None and e * best_cost > best_e * plain:
+                return narrow, True
         if width is not None and self.since_full + 1 >= self.config.full_every:
             return None, True  # keep the wider widths' estimates fresh
         return width, False

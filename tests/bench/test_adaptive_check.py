@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_longgen.bench.adaptive_check import compare_outputs, with_widths
+from sgl_longgen.bench.adaptive_check import compare_outputs, section_medians, timeline, with_widths
 
 
 def test_first_differences_against_plain_decoding_and_the_same_method_without_run_ahead():
@@ -31,3 +31,13 @@ def test_widths_join_the_draft_directorys_defaults(tmp_path):
     assert defaults.adaptive.widths == [16, 32] and defaults.tokenswift.partial_kv.budget == 4096
     with pytest.raises(ValueError, match="already has an"):
         with_widths(tmp_path, [8])
+
+
+def test_section_medians_per_kind_of_step_after_the_set_up():
+    # meta_info as SGLang streams it: one entry per token, a step's values on its first token.
+    meta = {"longgen_plain_step": [1.0, None, 0.0, None, 1.0, 0.0, 0.0, 1.0],
+            "longgen_verify_ms": [90.0, None, 5.0, None, 2.0, 7.0, 6.0, 4.0],
+            "longgen_draft_ms": [None, None, 1.0, None, None, 3.0, 2.0, None]}
+    got = section_medians(timeline(meta))
+    # The first two steps (tokens 0 and 2) are the set-up; then plain at 4 and 7, speculative at 5 and 6.
+    assert got == {"plain": {"steps": 2, "verify_ms": 3.0}, "spec": {"steps": 2, "verify_ms": 6.5, "draft_ms": 2.5}}

@@ -61,10 +61,21 @@ def test_everything_accepted_the_full_width_wins():
     # Deep nodes accepted: 3 tokens at width 4 (3.0 / 1.1), 5 at 16 (5 / 1.4), 7 in full (7 / 1.7).
     kinds = run(ctrl, 400, [0, 1, 3, 7, 15, 31, 40])
     spec = [k for k in kinds if k != PLAIN]
-    assert spec.count(4) == 1 and spec.count(16) == 1  # each narrow width measured once
-    assert spec.count(None) == len(spec) - 2 and len(spec) > 0.95 * len(kinds)
+    # Width 16 might have won at any price down to a plain step's (5 / 1.0 > 7 / 1.7): measured
+    # once. Width 4 could not have (3 / 1.0 < 7 / 1.7): never tried.
+    assert spec.count(4) == 0 and spec.count(16) == 1
+    assert spec.count(None) == len(spec) - 1 and len(spec) > 0.95 * len(kinds)
     assert ctrl.expected_at(4) == pytest.approx(3) and ctrl.expected_at(16) == pytest.approx(5)
     assert ctrl.best_width() is None
+
+
+def test_a_cut_that_keeps_few_accepted_nodes_is_never_tried():
+    # TokenSwift's shape: the head tree's first nodes, then an n-gram chain that gets accepted deep
+    # in the trie's order. Cut to 16 nodes a step keeps 2 tokens of the full draft's 12.
+    ctrl = AdaptiveController(AdaptiveConfig(widths=[16]))
+    kinds = run(ctrl, 200, [0, 1, *range(20, 30)], {16: 1.6, None: 1.7})
+    assert 16 not in kinds and kinds.count(None) > 0.9 * len(kinds)
+    assert ctrl.expected_at(16) == pytest.approx(2)
 
 
 def test_a_narrow_width_can_pay_where_the_full_draft_does_not():
