@@ -122,6 +122,24 @@ class Verifier:
             if num_nodes <= MAX_NODES:
                 self._fused = walk_and_commit
 
+    def warm_up(self, widths: list[int]) -> None:
+        """Compile the fused walk for each verify width before a request needs it.
+
+        Triton specializes the kernel per width (its block size), and it runs outside the
+        captured graphs: the first step of each width would compile it inside some request,
+        a fraction of a second on that request's clock. It runs here on scratch tensors of the
+        real ones' dtypes and strides, so the variant compiled is the one the steps launch.
+        """
+        if self._fused is None:
+            return
+        table = self.runner.req_to_token_pool.req_to_token
+        scratch = torch.zeros(1, table.shape[1], dtype=table.dtype, device=self.device)
+        one = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for n in sorted({w for w in widths if 1 <= w <= self.num_nodes}):
+            zeros = torch.zeros(1, n, dtype=torch.int64, device=self.device)
+            self._fused(zeros, zeros, torch.full_like(zeros, -1),
+                        torch.zeros(1, n, n, dtype=torch.bool, device=self.device), scratch, one, one)
+
     # -- inputs ------------------------------------------------------------------------------------
 
     def prepare(self, batch, steps: list[StepRequest], width: int | None = None) -> None:

@@ -153,10 +153,12 @@ class SpecWorker(BaseSpecWorker):
     def init_cuda_graphs(self):
         """After SGLang captured the target's verify graphs: the width-1 graphs of plain steps,
         where adaptive speculation may take them (a request may ask for it, so always), and the
-        graphs of each ``[adaptive] widths`` draft width's verify."""
+        graphs of each ``[adaptive] widths`` draft width's verify; then the walk of every width,
+        compiled (:meth:`Verifier.warm_up`)."""
         rows = [self.drafter.rows(w) for w in self.adaptive.config.widths]
         for graphs in capture_width_graphs(self.env.runner, self.num_nodes, [1, *rows]):
             self.verifier.graphs_by_width[graphs.width] = graphs
+        self.verifier.warm_up([1, *rows, self.num_nodes])
 
     def _adaptive_config(self):
         """The server's ``[adaptive]``, with the draft widths narrower than a full verify (a wider
