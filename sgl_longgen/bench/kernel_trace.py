@@ -4,7 +4,8 @@ SGLang's ``start_profile`` (``sgl.Engine.start_profile``, the server's ``/start_
 a Chrome trace per profiled stage. Comparing two engines step by step (plain decoding against a
 speculative engine's plain steps) needs the kernels each launches per forward and the time the
 device spends busy and idle, not the timeline itself: :func:`summarize` folds a trace into that,
-per CUDA-graph launch (one forward each in a decode step), and :func:`markdown` prints it.
+per CUDA-graph launch (one forward each in a decode step) and per graph (a speculative step's
+draft and verify graphs apart), and :func:`markdown` prints it.
 
     python -m sgl_longgen.bench.kernel_trace TRACE.json.gz [TRACE2 ...] [--top 30]
 
@@ -65,21 +66,29 @@ def summarize(path: Path) -> dict:
     runtime: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # host calls into CUDA: syncs show here
     intervals = []
     graph_launches = 0
+    launched: dict[int, list[tuple[str, float, float]]] = defaultdict(list)  # a graph launch's kernels
     for e in events:
         if e.get("ph") != "X":
             continue
         cat = e.get("cat", "")
+        correlation = e.get("args", {}).get("correlation")
         if cat in DEVICE_CATEGORIES:
             start, dur = float(e["ts"]), float(e.get("dur", 0.0))
             intervals.append((start, start + dur))
-            row = per[short_name(e.get("name", "?")) if cat == "kernel" else cat]
+            name = short_name(e.get("name", "?")) if cat == "kernel" else cat
+            row = per[name]
             row[0] += 1
             row[1] += dur
+            if correlation is not None:
+                launched[correlation].append((name, start, start + dur))
         elif cat in ("cuda_runtime", "cuda_driver"):
             name = e.get("name", "?")
-            graph_launches += name.startswith("cudaGraphLaunch")
+            if name.startswith("cudaGraphLaunch"):
+                graph_launches += 1
+                launched.setdefault(correlation, [])
             runtime[name][0] += 1
             runtime[name][1] += float(e.get("dur", 0.0))
+    graphs = _graphs({c: launched[c] for c in launched if c is not None and len(launched[c]) > 1})
     span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) if intervals else 0.0
     kernels = sorted(({"name": k, "count": int(v[0]), "us": round(v[1], 1)} for k, v in per.items()),
                      key=lambda r: -r["us"])
@@ -87,7 +96,32 @@ def summarize(path: Path) -> dict:
                    key=lambda r: -r["us"])
     return {"trace": path.name, "graph_launches": graph_launches, "device_events": len(intervals),
             "busy_us": round(_union(intervals), 1), "span_us": round(span, 1), "kernels": kernels,
-            "runtime_calls": calls}
+            "runtime_calls": calls, "graphs": graphs}
+
+
+def _graphs(launches: dict[int, list[tuple[str, float, float]]], top: int = 12) -> list[dict]:
+    """The CUDA-graph launches grouped by graph: a replay's kernels carry its ``cudaGraphLaunch``'s
+    correlation id, and one graph replays the same kernels every time, so launches with as many
+    kernels are taken as one graph (a speculative step's draft graph and its verify graph then
+    come apart). Per graph: its launches, and per launch the busy time (union of its kernels),
+    the span from its first kernel to its last and the ``top`` kernels by time."""
+    by_size: dict[int, list[list[tuple[str, float, float]]]] = defaultdict(list)
+    for kernels in launches.values():
+        by_size[len(kernels)].append(kernels)
+    out = []
+    for size, group in sorted(by_size.items(), key=lambda kv: -len(kv[1]) * kv[0]):
+        n = len(group)
+        per_kernel: dict[str, float] = defaultdict(float)
+        for kernels in group:
+            for name, start, stop in kernels:
+                per_kernel[name] += stop - start
+        busy = sum(_union([(a, b) for _, a, b in kernels]) for kernels in group)
+        span = sum(max(b for _, _, b in kernels) - min(a for _, a, _ in kernels) for kernels in group)
+        out.append({"kernels_per_launch": size, "launches": n, "busy_us": round(busy / n, 1),
+                    "span_us": round(span / n, 1),
+                    "top": [{"name": k, "us": round(v / n, 1)}
+                            for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]})
+    return out
 
 
 def profile(fn, path: Path, steps: int = 10, warmup: int = 2, top: int = 40) -> dict:
@@ -128,6 +162,11 @@ def markdown(summary: dict, top: int = 30) -> str:
     lines += ["", f"| host call into CUDA | count | {per} | total us | {per} us |", "|---|---|---|---|---|"]
     for row in summary["runtime_calls"][:12]:
         lines.append(f"| {row['name']} | {row['count']} | {row['count'] / n:.1f} | {row['us']:.0f} | {row['us'] / n:.1f} |")
+    for graph in summary.get("graphs", []):
+        lines += ["", f"Graph of {graph['kernels_per_launch']} kernels, {graph['launches']} launches: per launch "
+                      f"{graph['busy_us']:.1f} us busy, {graph['span_us']:.1f} us span", "",
+                  "| kernel | us per launch |", "|---|---|"]
+        lines += [f"| {row['name']} | {row['us']:.1f} |" for row in graph["top"]]
     return "\n".join(lines) + "\n"
 
 

@@ -41,3 +41,32 @@ def test_short_names_drop_templates_and_parameters():
         "at::native::vectorized_elementwise_kernel"
     assert short_name("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, double>(double*, int)") == \
         "at::native::{anon}::cunn_SoftMaxForward"
+
+
+def _launch(correlation, ts):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 5,
+            "args": {"correlation": correlation}}
+
+
+def _replayed(name, ts, dur, correlation):
+    return {**_kernel(name, ts, dur), "args": {"correlation": correlation}}
+
+
+def test_a_speculative_steps_draft_and_verify_graphs_come_apart(tmp_path):
+    # Two steps, each a 2-kernel draft graph and a 3-kernel verify graph, and an eager kernel between.
+    events = []
+    for step, t in enumerate((0, 1000)):
+        draft, verify = 10 * step + 1, 10 * step + 2
+        events += [_launch(draft, t), _replayed("head_gemm", t + 10, 30, draft), _replayed("topk", t + 40, 10, draft),
+                   _launch(verify, t + 60), _replayed("attention", t + 100, 200, verify),
+                   _replayed("gemm", t + 300, 100, verify), _replayed("gemm", t + 450, 50, verify),
+                   {**_kernel("walk", t + 600, 5), "args": {"correlation": 99 + step}}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(events))
+    graphs = summarize(path)["graphs"]
+    assert [(g["kernels_per_launch"], g["launches"]) for g in graphs] == [(3, 2), (2, 2)]
+    verify, draft = graphs
+    assert verify["busy_us"] == 350.0 and verify["span_us"] == 400.0  # the gap inside the replay: idle
+    assert verify["top"] == [{"name": "attention", "us": 200.0}, {"name": "gemm", "us": 150.0}]
+    assert draft["busy_us"] == 40.0 and draft["top"][0] == {"name": "head_gemm", "us": 30.0}
+    assert "Graph of 3 kernels, 2 launches: per launch 350.0 us busy, 400.0 us span" in markdown(summarize(path))
