@@ -163,8 +163,9 @@ def markdown(summary: dict, top: int = 30) -> str:
     for row in summary["runtime_calls"][:12]:
         lines.append(f"| {row['name']} | {row['count']} | {row['count'] / n:.1f} | {row['us']:.0f} | {row['us'] / n:.1f} |")
     for graph in summary.get("graphs", []):
-        lines += ["", f"Graph of {graph['kernels_per_launch']} kernels, {graph['launches']} launches: per launch "
-                      f"{graph['busy_us']:.1f} us busy, {graph['span_us']:.1f} us span", "",
+        head = (f"Graph of {graph['kernels_per_launch']} kernels, {graph['launches']} launches: per launch "
+                f"{graph['busy_us']:.1f} us busy, {graph['span_us']:.1f} us span")
+        lines += ["", head, "",
                   "| kernel | us per launch |", "|---|---|"]
         lines += [f"| {row['name']} | {row['us']:.1f} |" for row in graph["top"]]
     return "\n".join(lines) + "\n"
