@@ -125,9 +125,12 @@ class Fa3Prefix:
         return buf
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-            sm_scale: float, return_lse: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            sm_scale: float, return_lse: bool = True,
+            natural: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``return_lse=False``: the output alone (a prefix that already holds every key a row
-        sees, as in a width-1 verify, needs no merge), ``(o, None)``."""
+        sees, as in a width-1 verify, needs no merge), ``(o, None)``. ``natural``: the LSE as
+        FA3 returns it (natural log, ``+inf`` for an empty prefix), for a merge that converts
+        it as it reads it (``merge_two_states_strided(a_natural=True)``)."""
         bs, T, hq, d = self.batch_size, self.tree_size, self.num_qo_heads, self.head_dim
         hkv = self.num_kv_heads
         schedule = {} if self.scheduler_metadata is None else {"scheduler_metadata": self.scheduler_metadata}
@@ -146,6 +149,8 @@ class Fa3Prefix:
             o = result[0] if isinstance(result, (tuple, list)) else result
             return o.view(bs * T, hq, d), None
         o, lse, *_ = result
+        if natural:
+            return o.view(bs * T, hq, d), lse
         # An empty prefix gets LSE +inf from FA3 (its convention for a row without keys): make it
         # the merge's "no keys" state, -inf, so the tree part alone decides the row.
         lse = lse.mul_(LOG2_E).masked_fill_((self.seq_lens == 0)[:, None, None], float("-inf"))

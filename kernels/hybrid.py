@@ -440,17 +440,19 @@ class HybridTreeAttention:
         return out
 
     def _run_fa3(self, q, k_buffer, v_buffer, k_tree, v_tree, out, lse, sm_scale):
-        o_prefix, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale)  # lse [bs, Hq, T], base 2
         T, G = self.tree_size, self.group
         if self.cascade:  # own parts + shared part first (fp32), then the tree as without cascade
-            o_own, lse_own = o_prefix, lse_prefix
+            o_own, lse_own = self._fa3.run(q, k_buffer, v_buffer, sm_scale)  # lse [bs, Hq, T], base 2
             o_prefix = torch.empty(q.shape, dtype=torch.float32, device=q.device)
             lse_prefix = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
             self._merge_shared(q, k_buffer, v_buffer, o_own, lse_own, o_prefix, lse_prefix, sm_scale)
             strides = (token_head_strides(o_prefix, T, G), token_head_strides(lse_prefix, T, G))
-        else:
-            strides = (token_head_strides(o_prefix, T, G), _head_major_lse_strides(lse_prefix, G))
-        return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, sm_scale)
+            return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, sm_scale)
+        # FA3's natural-log LSE goes to the merge as it is: the merge converts it as it reads it.
+        o_prefix, lse_prefix = self._fa3.run(q, k_buffer, v_buffer, sm_scale, natural=True)  # [bs, Hq, T]
+        strides = (token_head_strides(o_prefix, T, G), _head_major_lse_strides(lse_prefix, G))
+        return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, sm_scale,
+                                prefix_natural=True)
 
     def _merge_shared(self, q, k_buffer, v_buffer, o_own, lse_own, out, lse, sm_scale):
         """FA3's shared part (all ``bs*T`` rows as one request) merged with its own parts
@@ -470,16 +472,18 @@ class HybridTreeAttention:
         strides = (folded_strides(o_prefix, T, G), folded_strides(lse_prefix, T, G))
         return self._merge_tree(q, k_tree, v_tree, o_prefix, lse_prefix, strides, out, lse, self.sm_scale)
 
-    def _merge_tree(self, q, k_tree, v_tree, o_prefix, lse_prefix, prefix_strides, out, lse, sm_scale):
+    def _merge_tree(self, q, k_tree, v_tree, o_prefix, lse_prefix, prefix_strides, out, lse, sm_scale,
+                    prefix_natural=False):
         """The tree part, merged with a library's prefix state (addressed by ``prefix_strides``:
-        (req, t, kv_head, g) strides of its output and of its base-2 LSE) into ``out``/``lse``."""
+        (req, t, kv_head, g) strides of its output and of its LSE: base 2, or FA3's natural-log
+        one where ``prefix_natural``) into ``out``/``lse``."""
         o_tree = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         o_tree, lse_tree = tree_attention(q, k_tree, v_tree, self.tree_mask, sm_scale, out=o_tree)
         T, G = self.tree_size, self.group
         merge_two_states_strided(
             o_prefix, lse_prefix, prefix_strides,
             o_tree, lse_tree, (token_head_strides(o_tree, T, G), token_head_strides(lse_tree, T, G)),
-            out, lse, T, G,
+            out, lse, T, G, a_natural=prefix_natural,
         )
         return out
 

@@ -181,6 +181,7 @@ def _merge_two_states_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    A_NATURAL: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < num_rows
@@ -195,6 +196,8 @@ def _merge_two_states_kernel(
     rd_ok = r_ok[:, None] & d_ok[None, :]
 
     lse_a = tl.load(LA + req * sla_req + t * sla_t + kvh * sla_kvh + g * sla_g, mask=r_ok, other=float("-inf"))
+    if A_NATURAL:  # FA3's convention: natural log, +inf for a row without keys
+        lse_a = tl.where((lse_a == float("inf")) | (lse_a != lse_a), float("-inf"), lse_a * 1.4426950408889634)
     lse_b = tl.load(LB + req * slb_req + t * slb_t + kvh * slb_kvh + g * slb_g, mask=r_ok, other=float("-inf"))
     m = tl.maximum(lse_a, lse_b)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
@@ -240,11 +243,14 @@ def merge_two_states_strided(
     out_lse: Optional[torch.Tensor],
     tree_size: int,
     group: int,
+    a_natural: bool = False,
 ) -> None:
     """Merge two states whose (token, head) addressing is given as (req, t, kv_head, g) strides.
 
     Lets a GQA-folded FlashInfer state merge with a plain one without unfolding copies.
-    ``out`` is plain ``[N, Hq, D]``.
+    ``out`` is plain ``[N, Hq, D]``. ``a_natural``: ``lse_a`` is FA3's as it returns it (natural
+    log, ``+inf`` for a row without keys), converted as it is read: in a verify forward that
+    saves the conversion's own elementwise kernels, several per layer.
     """
     num_tokens, num_heads, head_dim = out.shape
     num_rows = num_tokens * num_heads
@@ -277,6 +283,7 @@ def merge_two_states_strided(
         BLOCK_D=block_d,
         BLOCK_R=block_r,
         WRITE_LSE=out_lse is not None,
+        A_NATURAL=a_natural,
         num_warps=4,
     )
 

@@ -187,6 +187,30 @@ def test_fa3_path_cascade_glue(monkeypatch, graph):
     assert max_err(out, one.reference()[0]) <= TOL[dtype] / 2
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU host test_kernels_gpu_accuracy runs FA3 itself")
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("group", [4, 7])
+def test_fa3_path_merges_fa3s_own_lse(monkeypatch, graph, group):
+    """Without a cascade, FA3's natural-log LSE (``+inf`` for an empty prefix) goes to the tree
+    merge as FA3 returns it and is converted there: against the fp32 reference, an empty prefix
+    included (its rows are the tree part's alone)."""
+    monkeypatch.setattr(fa3_prefix, "_flash_attn_with_kvcache", lambda: torch_flash_attn_with_kvcache)
+    monkeypatch.setattr(hybrid, "fa3_supported", lambda *args: True)
+    dtype, hkv = torch.bfloat16, 2
+    batch = make_batch([0, 57, 5], 6, group * hkv, hkv, 64, dtype, seed=group)
+    bufs = {}
+    if graph:
+        bufs = {"graph_page_table_buf": torch.zeros(4, 128, dtype=torch.int32),
+                "graph_seq_lens_buf": torch.zeros(4, dtype=torch.int32)}
+    attn = HybridTreeAttention(group * hkv, hkv, 64, DEVICE, prefix_backend="fa3", use_cuda_graph=graph, **bufs)
+    assert attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale, q_dtype=dtype,
+                     prefix_lens_host=None if graph else [0, 57, 5]) == "fa3"
+    out, lse = run_attention(attn, batch)
+    ref_o, ref_lse = batch.reference()
+    assert max_err(out, ref_o) <= TOL[dtype] / 2
+    assert max_err(lse, lse_natural_to_base2(ref_lse)) <= 1e-2
+
+
 def test_the_benchmark_batch_shares_its_prompt():
     """The GPU benchmark's cascade table builds requests over one prompt's slots: its plain and
     cascade attentions agree with the reference (CPU, Triton path)."""
