@@ -128,6 +128,15 @@ def timeline(meta: dict) -> list[dict]:
     return rows
 
 
+def timed_steps(eng, prompt: list[int], params: dict, n: int) -> tuple[float, list[dict]]:
+    """One ``n``-token request of ``params`` with the step timing on (``longgen_timing = "host"``,
+    the request's own custom params kept): its wall seconds and its :func:`timeline`."""
+    custom = {**params.get("custom_params", {}), "longgen_report": True, "longgen_timing": "host"}
+    t = time.time()
+    out = eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": n, "custom_params": custom})
+    return time.time() - t, timeline(out["meta_info"])
+
+
 def section_medians(steps: list[dict], skip: int = 2) -> dict:
     """Per kind of step (``plain``, ``spec``), the median of each ``*_ms`` section and note over
     the steps of a :func:`timeline` after its first ``skip`` (a request's set-up), and the count."""
@@ -293,19 +302,12 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
         if spec and args.timeline and L == args.contexts[0]:
             row["timeline"] = {}
             for name, params in (("sampled", sampled), ("greedy", greedy)):
-                timed = {**params, "max_new_tokens": 2 * args.tokens + 1,
-                         "custom_params": {"longgen_report": True, "longgen_timing": "host"}}
-                t = time.time()
-                out = eng.generate(input_ids=prompt, sampling_params=timed)
-                row["timeline"][name] = {"wall_s": round(time.time() - t, 4),
-                                         "steps": timeline(out["meta_info"])}
+                wall, steps = timed_steps(eng, prompt, params, 2 * args.tokens + 1)
+                row["timeline"][name] = {"wall_s": round(wall, 4), "steps": steps}
         if spec and args.sections:
             row["sections"] = {}
             for name, params in kinds.items():
-                timed = {**params, "max_new_tokens": 2 * args.tokens + 1,
-                         "custom_params": {**params["custom_params"], "longgen_timing": "host"}}
-                out = eng.generate(input_ids=prompt, sampling_params=timed)
-                row["sections"][name] = section_medians(timeline(out["meta_info"]))
+                row["sections"][name] = section_medians(timed_steps(eng, prompt, params, 2 * args.tokens + 1)[1])
                 print(f"  {L} {name} sections: {row['sections'][name]}", flush=True)
         print(f"  {L}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         result[str(L)] = row

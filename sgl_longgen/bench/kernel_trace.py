@@ -66,7 +66,8 @@ def summarize(path: Path) -> dict:
     runtime: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # host calls into CUDA: syncs show here
     intervals = []
     graph_launches = 0
-    launched: dict[int, list[tuple[str, float, float]]] = defaultdict(list)  # a graph launch's kernels
+    launched: dict[int, list[tuple[str, float, float]]] = defaultdict(list)  # device events by correlation id
+    graph_ids: set[int] = set()  # the correlation ids of the graph launches
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -85,10 +86,11 @@ def summarize(path: Path) -> dict:
             name = e.get("name", "?")
             if name.startswith("cudaGraphLaunch"):
                 graph_launches += 1
-                launched.setdefault(correlation, [])
+                if correlation is not None:
+                    graph_ids.add(correlation)
             runtime[name][0] += 1
             runtime[name][1] += float(e.get("dur", 0.0))
-    graphs = _graphs({c: launched[c] for c in launched if c is not None and len(launched[c]) > 1})
+    graphs = _graphs({c: launched[c] for c in graph_ids if launched.get(c)})
     span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) if intervals else 0.0
     kernels = sorted(({"name": k, "count": int(v[0]), "us": round(v[1], 1)} for k, v in per.items()),
                      key=lambda r: -r["us"])
