@@ -196,7 +196,8 @@ def _merge_two_states_kernel(
     rd_ok = r_ok[:, None] & d_ok[None, :]
 
     lse_a = tl.load(LA + req * sla_req + t * sla_t + kvh * sla_kvh + g * sla_g, mask=r_ok, other=float("-inf"))
-    if A_NATURAL:  # FA3's convention: natural log, +inf for a row without keys
+    if A_NATURAL:  # FA3's convention: natural log, +inf for a row without keys (the factor is LOG2_E:
+        # a jit kernel reads no module-level float)
         lse_a = tl.where((lse_a == float("inf")) | (lse_a != lse_a), float("-inf"), lse_a * 1.4426950408889634)  # noqa: PLR0124 - NaN
     lse_b = tl.load(LB + req * slb_req + t * slb_t + kvh * slb_kvh + g * slb_g, mask=r_ok, other=float("-inf"))
     m = tl.maximum(lse_a, lse_b)
