@@ -38,7 +38,9 @@ over ``--profile-steps`` decode steps of one more sampled request at the first c
 ``--profile-context``), folded into per-kernel totals per CUDA-graph launch (:mod:`.kernel_trace`;
 ``profile`` in the JSON, ``DIR/<engine>.md``), to compare a plain step of each method with plain
 decoding kernel by kernel; for a method, also of a greedy request with speculation on (its verify
-steps: ``profile_verify``, ``DIR/<engine>-verify.md``).
+steps: ``profile_verify``, ``DIR/<engine>-verify.md``). ``--profile-batch``: the batch check's
+requests instead (sampled, sent together): where a batch's decode time goes beside plain decoding's
+(busy against span: the device's idle time between forwards).
 
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms TOKENSWIFT
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms OWL HOWL --skip-plain
@@ -329,16 +331,16 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
     return result
 
 
-def profile(eng, name: str, prompt: list[int], args, params: dict | None = None) -> list[dict]:
-    """Per-kernel totals of ``--profile-steps`` decode steps of one request (see
-    :mod:`.kernel_trace`; SGLang writes the prefill's trace too, summarized beside): a sampled one
-    by default (a speculative engine's plain steps where drafts do not pay), or ``params``."""
+def profile(eng, name: str, prompts: list[list[int]], args, params: dict | None = None) -> list[dict]:
+    """Per-kernel totals of ``--profile-steps`` decode steps of ``prompts``' requests, sent
+    together (see :mod:`.kernel_trace`; SGLang writes the prefill's trace too, summarized beside):
+    sampled ones by default (a speculative engine's plain steps where drafts do not pay), or ``params``."""
     out_dir = args.profile / name
     out_dir.mkdir(parents=True, exist_ok=True)
     eng.start_profile(output_dir=str(out_dir), num_steps=args.profile_steps, activities=["CPU", "GPU"],
                       profile_by_stage=True, profile_prefix=name, with_stack=False, record_shapes=False)
     params = params or {"temperature": 1.0, "ignore_eos": True}
-    eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 2 * args.tokens + 1})
+    eng.generate(input_ids=prompts, sampling_params=[{**params, "max_new_tokens": 2 * args.tokens + 1}] * len(prompts))
     try:
         eng.stop_profile()
     except Exception:  # noqa: BLE001 - stopped by itself after num_steps
@@ -389,11 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-greedy", action="store_true",
                    help="profile greedy plain steps (speculation off) instead of sampled ones and verify steps")
     p.add_argument("--profile-steps", type=int, default=48, help="decode steps (scheduler steps) profiled")
+    p.add_argument("--profile-batch", action="store_true",
+                   help="profile the batch check's sampled requests (--batch at --batch-context) instead")
     p.add_argument("--profile-context", type=int, default=None,
                    help="the --contexts length whose prompt the profiled requests take (default: the first)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be 1 or more, got {args.repeats}")
+    if args.profile_batch and not args.batch:
+        p.error("--profile-batch needs --batch")
     if args.profile_context is not None and args.profile_context not in args.contexts:
         p.error(f"--profile-context {args.profile_context} is not one of --contexts {args.contexts}")
 
@@ -440,12 +446,12 @@ def main(argv: list[str] | None = None) -> int:
             # the profiler or at the engine's shutdown keeps what was measured.
             save()
             if args.profile is not None:
-                at = prompts[args.profile_context or args.contexts[0]]
+                at = batch_prompts if args.profile_batch else [prompts[args.profile_context or args.contexts[0]]]
                 try:
                     report[name]["profile"] = profile(eng, name, at, args,
                                                       plain_greedy(algorithm is not None) if args.profile_greedy else None)
                     save()
-                    if algorithm is not None and not args.profile_greedy:
+                    if algorithm is not None and not args.profile_greedy and not args.profile_batch:
                         report[name]["profile_verify"] = profile(eng, f"{name}-verify", at, args, VERIFY_PARAMS)
                 except Exception as exc:  # noqa: BLE001 - the measurements above stand without it
                     report[name]["profile_error"] = f"{type(exc).__name__}: {exc}"

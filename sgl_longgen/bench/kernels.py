@@ -16,7 +16,12 @@ that share a ``--cascade-shared``-token prompt (the same pool slots, as SGLang's
 them), each with ``--cascade-own`` tokens of its own, per prefix path: the whole batch without
 and with the cascade (the shared prefix read once for the batch), against one request alone.
 
-A fourth, ``fp8-gemm`` (only on request), times the drafters' matrices (``FP8_SHAPES``) times 1-64
+``fa3-splits`` (only on request) times FA3's prefix pass (the verify's largest part on Hopper),
+graphed, for each KV split count and GQA packing it can be given, against its own heuristic's
+choice (``num_splits=0``, ``pack_gqa=None``, what the hybrid verify and SGLang's FA3 decode use):
+whether a measured choice per shape would beat the heuristic, and by how much.
+
+A fifth, ``fp8-gemm`` (only on request), times the drafters' matrices (``FP8_SHAPES``) times 1-64
 rows: bf16 ``F.linear`` against the weight-only fp8 GEMM of ``kernels/fp8_gemm.py``, with the GB/s
 of the matrix each reads.
 
@@ -31,6 +36,7 @@ Usage (GPU host)::
     python -m sgl_longgen.bench.kernels --mode attention --tune   # + a sweep of Triton tiles
     python -m sgl_longgen.bench.kernels --mode cascade       # 8 requests sharing a 32K prompt, T=64
     python -m sgl_longgen.bench.kernels --mode fp8-gemm      # the drafters' fp8 GEMMs vs bf16, 1-64 rows
+    python -m sgl_longgen.bench.kernels --mode fa3-splits --batches 1,4   # FA3's split counts and GQA packing
 
 The first run compiles FlashInfer's kernels (about two minutes); later runs reuse its cache.
 """
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -196,6 +203,55 @@ def print_scores(r, unit: str, flush=False) -> None:
             parts.append(f"{p} {with_scores:7.2f} {unit} (+{100 * (with_scores / without - 1):4.1f}%)")
     if parts:
         print(f"    scores ctx {r['ctx']:6d} T {r['T']:3d} | " + " | ".join(parts), flush=flush)
+
+
+# --------------------------------------------------------------------------- FA3 split counts
+FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32, 64, 128)  # 0: FA3's heuristic
+FA3_PACKING = (None, True, False)  # None: FA3's heuristic
+
+
+def fa3_split_table(contexts, trees, batches, device, rows: list[dict]) -> None:
+    """FA3's prefix pass (non-causal over the cache, page size 1, LSE returned: the hybrid
+    verify's call) per split count and GQA packing, each with its own tile schedule, graphed."""
+    from ..kernels.fa3_prefix import _flash_attn_with_kvcache, _get_scheduler_metadata
+
+    fa3, schedule = _flash_attn_with_kvcache(), _get_scheduler_metadata()
+    if fa3 is None or schedule is None or not fa3_supported(HEAD_DIM, DTYPE, DTYPE, torch.device(device)):
+        print("fa3-splits: FA3 is not available here", flush=True)
+        return
+    hq, hkv, d = NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
+    for bs in batches:
+        for ctx in contexts:
+            k = torch.randn(bs * ctx, 1, hkv, d, dtype=DTYPE, device=device)
+            v = torch.randn_like(k)
+            table = torch.arange(bs * ctx, dtype=torch.int32, device=device).view(bs, ctx)
+            lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+            for T in trees:
+                q = torch.randn(bs, T, hq, d, dtype=DTYPE, device=device)
+                row = {"table": "fa3-splits", "bs": bs, "ctx": ctx, "T": T, "us": {}}
+                for pack in FA3_PACKING:
+                    for splits in FA3_SPLITS:
+                        key = f"{splits}/{pack}"
+                        try:
+                            meta = schedule(batch_size=bs, max_seqlen_q=T, max_seqlen_k=ctx, num_heads=hq,
+                                            num_heads_k=hkv, headdim=d, cache_seqlens=lens, qkv_dtype=DTYPE,
+                                            page_size=1, causal=False, num_splits=splits, pack_gqa=pack)
+                            call = functools.partial(
+                                fa3, q=q, k_cache=k, v_cache=v, page_table=table, cache_seqlens=lens,
+                                softmax_scale=d**-0.5, causal=False, return_softmax_lse=True,
+                                scheduler_metadata=meta, num_splits=splits, pack_gqa=pack)
+                            row["us"][key] = round(time_graph_us(call)[0], 2)
+                        except Exception as exc:  # noqa: BLE001 - a combination FA3 refuses
+                            row["us"][key] = f"{type(exc).__name__}"
+                timed = {key: us for key, us in row["us"].items() if isinstance(us, float)}
+                auto = timed.get("0/None")
+                best = min(timed, key=timed.get) if timed else None
+                row["auto_us"], row["best"], row["best_us"] = auto, best, timed.get(best)
+                rows.append(row)
+                gain = f"{auto / timed[best]:.3f}x" if auto and best else "n/a"
+                ranked = sorted(timed, key=timed.get)[:4]
+                print(f"bs {bs} ctx {ctx:6d} T {T:3d} | FA3 heuristic {auto} us | best {best} ({gain} faster) | "
+                      + " ".join(f"{key}={timed[key]}" for key in ranked), flush=True)
 
 
 # --------------------------------------------------------------------------- attention table
@@ -488,8 +544,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="4096,32768,98304", help="prefix lengths")
     parser.add_argument("--trees", default="16,64,121", help="draft tree sizes T")
-    parser.add_argument("--mode", choices=("all", "attention", "step", "cascade", "fp8-gemm"), default="all",
-                        help="all: the attention, cascade and step tables; fp8-gemm: the drafters' fp8 GEMMs alone")
+    parser.add_argument("--mode", choices=("all", "attention", "step", "cascade", "fp8-gemm", "fa3-splits"), default="all",
+                        help="all: the attention, cascade and step tables; fp8-gemm: the drafters' fp8 GEMMs alone; "
+                             "fa3-splits: FA3's prefix pass per split count and GQA packing")
+    parser.add_argument("--batches", default="1", help="batch sizes (fa3-splits table)")
     parser.add_argument("--cascade-batch", type=int, default=8, help="requests sharing the prompt (cascade table)")
     parser.add_argument("--cascade-shared", type=int, default=32768, help="shared prompt tokens (cascade table)")
     parser.add_argument("--cascade-own", type=int, default=0, help="tokens of each request's own (cascade table)")
@@ -535,6 +593,10 @@ def main(argv=None) -> int:
         print("# weight-only fp8 GEMM vs bf16 F.linear, the drafters' matrices, CUDA graphs "
               "(us; GB/s of the matrix read)", flush=True)
         fp8_gemm_table([int(x) for x in args.fp8_rows.split(",")], device, rows)
+    if args.mode == "fa3-splits":
+        print("# FA3 prefix pass, one layer, CUDA graphs (us per split count/GQA packing; 0/None: FA3's heuristic)",
+              flush=True)
+        fa3_split_table(contexts, trees, [int(x) for x in args.batches.split(",")], device, rows)
     if args.mode in ("all", "step"):
         print(f"# whole forward step, synthetic Llama-3.1-8B, {args.layers} layers, CUDA graphs (ms)", flush=True)
         if args.profile is not None:
