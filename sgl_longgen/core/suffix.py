@@ -86,6 +86,7 @@ from itertools import accumulate
 import numpy as np
 
 from ..config import SuffixConfig
+from .prepared import Prepared
 
 SENTINEL = -1
 # An extend of at least this many tokens, and of at least 1/_BULK_SHARE of the packed positions (the
@@ -434,14 +435,29 @@ class SuffixCache:
     def __init__(self, config: SuffixConfig):
         self.config = config
         self._local: dict[Hashable, SuffixIndex] = {}
+        self._prepared: Prepared[SuffixIndex] = Prepared()  # prompts indexed ahead of their start
         self._outputs: dict[Hashable, list[int]] = {}
         self._finished: deque[list[int]] = deque(maxlen=max(1, config.global_requests))
         self._global: SuffixIndex | None = SuffixIndex.for_config(config) if config.global_requests else None
         self._global_sequences = 0
 
+    def prepare(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        """Index ``tokens``, the request's prompt as far as its prefill got (one chunk more per
+        call), ahead of :meth:`start_request`, which then indexes only the rest: the runtime
+        does this while the device runs the prefill, not at the first step with the device
+        waiting (a 32K prompt takes milliseconds). The index is the one ``start_request`` would
+        build: an index grows by appending, in any pieces."""
+        index, n = self._prepared.take(rid, len(tokens))
+        if index is None:
+            index = SuffixIndex.for_config(self.config)
+        index.extend(tokens[n:])
+        self._prepared.put(rid, index, len(tokens))
+
     def start_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
-        index = SuffixIndex.for_config(self.config)
-        index.extend(prompt)
+        index, n = self._prepared.take(rid, len(prompt))
+        if index is None:
+            index = SuffixIndex.for_config(self.config)
+        index.extend(prompt[n:])
         self._local[rid] = index
         if self._global is not None:
             self._outputs[rid] = []
@@ -453,6 +469,7 @@ class SuffixCache:
 
     def stop_request(self, rid: Hashable) -> None:
         self._local.pop(rid, None)
+        self._prepared.drop(rid)
         output = self._outputs.pop(rid, None)
         if self._global is None or not output:
             return

@@ -80,12 +80,16 @@ class TokenSwift:
         self.num_kv_heads = num_kv_heads
         self.width = max(config.tree)
 
-    def start(self, seq_len: int) -> TokenSwiftState:
+    def start(self, seq_len: int, prepared: TokenSwiftState | None = None) -> TokenSwiftState:
         """A request whose first ``seq_len`` positions are committed (its prompt, say).
 
         The first draft forward scores the whole committed context (the first selection); the
-        prompt's n-grams are indexed by the first :meth:`index`.
+        prompt's n-grams are indexed by the first :meth:`index`, or were by :meth:`prepare`
+        (``prepared``: its state, whose indexes this request keeps).
         """
+        if prepared is not None:
+            prepared.policy.reset(seq_len)
+            return prepared
         ng = self.config.ngram
         pool = NgramPool(ng.n, ng.top_k) if ng.enabled else None
         policy = PartialKVPolicy(self.config.partial_kv, self.num_layers, self.num_kv_heads)
@@ -141,6 +145,20 @@ class TokenSwift:
             # The request's own history: its draft reads as history, a loop drafts the whole budget.
             draft = state.suffix.draft(history, self.suffix, own=True)
             state.continuation, state.continuation_score = draft.tokens, draft.score
+
+    def prepare(self, state: TokenSwiftState | None, history: Sequence[int],
+                sampling: SamplingConfig) -> TokenSwiftState:
+        """Index ``history``, a request's prompt as far as its prefill got, ahead of its first
+        step (``state``: what the last call returned, None at first); :meth:`start` takes the
+        result. The runtime calls it while its device runs the prefill: the first :meth:`index`
+        (a hint's or a draft's) then has only the rest to do, where a long prompt's n-grams and
+        suffixes took milliseconds with the device waiting. Indexes grow by appending, so the
+        pieces build what one call would, under the same rules (the penalty window left out).
+        """
+        if state is None:
+            state = self.start(len(history))
+        self.index(state, history, sampling)
+        return state
 
     def history_hint(self, state: TokenSwiftState, history: Sequence[int], sampling: SamplingConfig) -> float | None:
         """Draft tokens the history's continuation is expected to get accepted (its suffix draft's

@@ -12,11 +12,11 @@ from then on and is never handed to its drafter again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from ..config import GenerateConfig
+from ..config import GenerateConfig, SamplingConfig
 from ..core.verify import TreeWalks, Verdict
 from ..methods import Draft
 from .requests import PenaltyDefaults, StepRequest
@@ -81,6 +81,11 @@ class Drafter:
 
     def after_extend(self, batch, result) -> None:
         """Read what a prefill forward produced besides the first tokens (hidden states)."""
+
+    def prepare(self, rid: str, history: Sequence[int], sampling: SamplingConfig) -> None:
+        """A prefill committed ``history`` of the request so far (its prompt up to this chunk):
+        build what its first step needs from it (a long prompt's indexes), while that prefill's
+        forward runs with the host idle, instead of at the first step with the device waiting."""
 
     def before_forward(self) -> None:
         """Before any target forward: wait for work queued ahead that reads the KV."""

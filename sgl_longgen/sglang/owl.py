@@ -125,6 +125,9 @@ class OwlDrafter(Drafter):
         for b, req in enumerate(batch.reqs):
             self.prefill_states[req.rid] = hidden[b].detach().clone()
 
+    def prepare(self, rid: str, history, sampling) -> None:
+        self.method.prepare(rid, history)
+
     def start(self, step: StepRequest):
         # A missing state (a request we never saw prefilled) costs root-only steps until its first commit.
         return self.method.start(step.rid, step.history, self.prefill_states.pop(step.rid, None))

@@ -36,6 +36,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 
 from ..core.heads import load_heads
 from ..core.partial_kv import PartialKVPolicy, steady_visible_slots
+from ..core.prepared import Prepared
 from ..core.tokenswift import candidate_count, head_candidates
 from ..core.verify import TreeWalks, Verdict
 from ..errors import LonggenError
@@ -145,6 +146,7 @@ class TokenSwiftDrafter(Drafter):
         self.verify_scores = VerifyScores.of(env.runner) if self.per_layer else None
         self._backend_scores = False  # the attention backend was seen to write them
         self._fresh: tuple[tuple, VerifiedSelection] | None = None  # this step's, until observe
+        self._prepared: Prepared[TokenSwiftState] = Prepared()  # indexes built in the prefill's shadow
         self._last_candidates: tuple[list, list] | None = None  # for _rehearse
         self._steady_fixed: dict[int, tuple] = {}  # batch size -> steady draft's constant inputs
         self._fused_steady = None  # the steady draft inputs' kernel, where the walk is fused too
@@ -156,8 +158,16 @@ class TokenSwiftDrafter(Drafter):
 
     # -- per request ------------------------------------------------------------------------------
 
+    def prepare(self, rid: str, history, sampling) -> None:
+        state, _ = self._prepared.take(rid, len(history))
+        self._prepared.put(rid, self.method.prepare(state, history, sampling), len(history))
+
     def start(self, step: StepRequest) -> TokenSwiftState:
-        return self.method.start(step.seq_len)
+        prepared, _ = self._prepared.take(step.rid, len(step.history))
+        return self.method.start(step.seq_len, prepared)
+
+    def finish(self, rid: str) -> None:
+        self._prepared.drop(rid)
 
     def hint(self, step: StepRequest) -> float | None:
         return self.method.history_hint(step.state.method, step.history, step.sampling)
@@ -538,4 +548,5 @@ class TokenSwiftDrafter(Drafter):
 
     def reset(self) -> None:
         self._fresh = None
+        self._prepared.clear()
         self.pipeline.reset()

@@ -1,6 +1,9 @@
 """The SGLang V2 speculative worker of every sgl-longgen algorithm.
 
-A prefill is SGLang's own target step. A decode step is, in order (:meth:`SpecWorker.decode`):
+A prefill is SGLang's own target step; while its forward runs, the drafter builds what each
+request's first step will need from the prompt so far (:meth:`Drafter.prepare`: a long prompt's
+indexes, milliseconds of host time that would otherwise keep the device waiting at that step).
+A decode step is, in order (:meth:`SpecWorker.decode`):
 
 1. **draft**: the algorithm's drafter (:mod:`.tokenswift`, :mod:`.owl`, :mod:`.longspec`) proposes one trie per
    request from its method's state;
@@ -56,7 +59,13 @@ from .host_profile import HostProfile
 from .inputs import relay_input
 from .penalty import ContextualPenaltyProcessor
 from .pipeline import batch_key
-from .requests import RequestTable, StepRequest, activate_penalty_defaults
+from .requests import (
+    RequestTable,
+    StepRequest,
+    activate_penalty_defaults,
+    request_tokens,
+    sampling_config,
+)
 from .run_ahead import RunAhead
 from .timing import StepClock, append_step_values
 from .verify import Launched, Verifier
@@ -205,6 +214,7 @@ class SpecWorker(BaseSpecWorker):
             self.requests.pop(req.rid)  # a (re-)prefilled request starts its speculation afresh
         res = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=self.drafter.prefill_capture)
         self.drafter.after_extend(batch, res)
+        self._prepare(batch)
         bs, n = len(batch.reqs), self.num_nodes
         new_seq_lens = batch.seq_lens.clone()
         accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
@@ -218,6 +228,20 @@ class SpecWorker(BaseSpecWorker):
         res.next_draft_input = relay_input(n, new_seq_lens, accept_tokens.flatten(), accept_lens)
         res.speculative_num_draft_tokens = n
         return res
+
+    def _prepare(self, batch) -> None:
+        """In the shadow of the prefill forward just queued: the drafter builds what each
+        request's first step needs from the tokens committed so far (:meth:`Drafter.prepare`).
+        Where it raises, the request's first step builds it instead."""
+        lens = batch.seq_lens_cpu
+        if lens is None:  # reading the lengths off the device would wait for the prefill
+            return
+        for req, n in zip(batch.reqs, lens.tolist()):
+            try:
+                self.drafter.prepare(req.rid, request_tokens(req)[:n], sampling_config(req, self.drafter.penalty))
+            except Exception as exc:
+                logger.warning("request %s: preparing its drafts during the prefill raised %s: %s; its first step "
+                               "prepares them", req.rid, type(exc).__name__, exc, exc_info=exc)
 
     # -- a speculative step --------------------------------------------------------------------------
 

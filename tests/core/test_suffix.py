@@ -412,3 +412,30 @@ def test_a_query_reads_at_most_max_occurrences_copies_of_a_loop(own):
         assert index.widest <= 1024 if cap else index.widest > 40_000
     with pytest.raises(ValueError, match="max_occurrences"):
         SuffixIndex(64, -1)
+
+
+def test_a_prompt_prepared_in_chunks_is_the_prompt_indexed_at_start():
+    """A runtime indexes a prompt chunk by chunk during its prefill (SuffixCache.prepare); the
+    request's start then indexes only the rest, and the request drafts what it drafts when its
+    start indexes the whole prompt."""
+    cfg = SuffixConfig(min_token_prob=0.0)
+    rng = random.Random(3)
+    prompt = [rng.randrange(50) for _ in range(3000)] + loop_sequence(rng, 400, 50)
+    history = [*prompt, 5]
+    whole, chunked = SuffixCache(cfg), SuffixCache(cfg)
+    whole.start_request("r", history)
+    for end in (1024, 2048, 2100, len(prompt)):
+        chunked.prepare("r", prompt[:end])
+    chunked.start_request("r", history)
+    for context in (history, history[:1500], [*history, 9, 9]):
+        assert chunked.speculate("r", context) == whole.speculate("r", context)
+    assert chunked.speculate("r", history).tokens  # the loop is drafted at all
+    # What was prepared for another history (a longer one) is not taken: that start indexes afresh.
+    other = SuffixCache(cfg)
+    other.prepare("r", [*history, 1, 2, 3])
+    other.start_request("r", history)
+    assert other.speculate("r", history) == whole.speculate("r", history)
+    other.stop_request("r")
+    other.prepare("s", prompt)
+    other.stop_request("s")  # a request aborted in its prefill leaves nothing behind
+    assert len(other._prepared) == 0

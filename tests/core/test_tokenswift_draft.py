@@ -123,3 +123,36 @@ def test_the_hint_is_the_histories_continuation_score_and_indexing_twice_changes
     assert state.continuation == continuation and len(state.pool) == pooled
     no_suffix = TokenSwift(msgspec.structs.replace(cfg.tokenswift, suffix=False), cfg.suffix)
     assert no_suffix.history_hint(no_suffix.start(len(history)), history, cfg.sampling) is None
+
+
+def test_a_prompt_prepared_chunk_by_chunk_indexes_what_the_first_step_would():
+    """A runtime indexes a prompt during its prefill, a chunk at a time (TokenSwift.prepare);
+    the request's first step starts from that state. Its n-gram pool (the penalty window left
+    out, as the first step's indexing leaves it out), its suffix index, its continuation and
+    its hint are those of a request whose first step indexes the whole prompt at once."""
+    import random
+
+    from sgl_longgen.config import GenerateConfig
+    from sgl_longgen.methods import TokenSwift
+
+    cfg = GenerateConfig()
+    sampling = msgspec.structs.replace(cfg.sampling, penalty=1.2, penalty_window=64)
+    assert sampling.penalty_active
+    method = TokenSwift(cfg.tokenswift, cfg.suffix)
+    rng = random.Random(1)
+    period = [rng.randrange(300) for _ in range(11)]
+    prompt = [rng.randrange(300) for _ in range(2500)] + period * 30
+    history = [*prompt, period[0]]  # the loop goes on
+
+    whole = method.start(len(prompt))
+    hint = method.history_hint(whole, history, sampling)
+    state = None
+    for end in (512, 1024, 2000, len(prompt)):
+        state = method.prepare(state, prompt[:end], sampling)
+    assert state.indexed == len(prompt)
+    started = method.start(len(prompt), state)
+    assert started is state and started.policy.score_range() == whole.policy.score_range()
+    assert method.history_hint(started, history, sampling) == hint and hint > 10.0
+    assert started.continuation == whole.continuation
+    assert started.pool.counts() == whole.pool.counts() and len(started.pool) > 0
+    assert started.pool.indexed_until == whole.pool.indexed_until
