@@ -16,7 +16,8 @@ captured), ms per generated token, measured as the wall time of an ``N + 1``-tok
   controller (``auto``) and with each fixed setting: speculation on every step (``on``) and
   never (``off``: the method's engine decoding by plain steps, which ``auto`` must match where
   drafts do not pay);
-  ``--repeats K`` runs each K times, interleaved, and reports the medians (``*_runs``: each run);
+  ``--repeats K`` runs each K times, interleaved, each repeat starting with another setting, and
+  reports the medians (``*_runs``: each run, in the order of the repeats);
 * ``*_decode_ms`` beside each single-request figure: the same request (streamed) timed from its
   first token to its last, per token after the first. The prefill measured on another request
   varies by tens of ms at 98K, a few tenths of a ms per token over 128 tokens, as much as the
@@ -264,6 +265,12 @@ def compare_outputs(outputs: dict[str, dict[str, list[int]]]) -> dict:
     return result
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """``names`` starting at the ``r``-th (cyclically)."""
+    r %= max(1, len(names))
+    return names[r:] + names[:r]
+
+
 def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts: list[list[int]]) -> dict:
     custom = {"custom_params": {"longgen_report": True}} if spec else {}
     sampled = {"temperature": 1.0, "ignore_eos": True, **custom}
@@ -292,9 +299,12 @@ def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts:
                 kinds[f"greedy_w{w}"] = {**greedy, "custom_params": {"longgen_report": True, "longgen_speculation": "on",
                                                                      "longgen_width": w}}
         runs: dict[str, list] = {name: [] for name in kinds}
-        for _ in range(args.repeats):  # the kinds interleaved: a drift of the host's speed hits both alike
-            for name, params in kinds.items():
-                runs[name].append(ms_per_token(eng, [prompt], params, args.tokens, prefill))
+        for r in range(args.repeats):
+            # The kinds interleaved (a drift of the host's speed hits all alike) and rotated: each
+            # repeat starts with another, so whatever the first request after the set-up pays
+            # (a workload's first probes, say) is not one setting's alone.
+            for name in rotated(list(kinds), r):
+                runs[name].append(ms_per_token(eng, [prompt], kinds[name], args.tokens, prefill))
         for name, got in runs.items():
             row[f"{name}_ms"] = statistics.median(r[0] for r in got)
             row[f"{name}_decode_ms"] = statistics.median(r[1] for r in got)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_longgen.bench.adaptive_check import compare_outputs, section_medians, timeline, with_widths
+from sgl_longgen.bench.adaptive_check import compare_outputs, rotated, section_medians, timeline, with_widths
 
 
 def test_first_differences_against_plain_decoding_and_the_same_method_without_run_ahead():
@@ -41,3 +41,10 @@ def test_section_medians_per_kind_of_step_after_the_set_up():
     got = section_medians(timeline(meta))
     # The first two steps (tokens 0 and 2) are the set-up; then plain at 4 and 7, speculative at 5 and 6.
     assert got == {"plain": {"steps": 2, "verify_ms": 3.0}, "spec": {"steps": 2, "verify_ms": 6.5, "draft_ms": 2.5}}
+
+
+def test_each_repeat_starts_with_another_setting():
+    names = ["greedy", "greedy_on", "greedy_off"]
+    firsts = [rotated(names, r)[0] for r in range(4)]
+    assert firsts == ["greedy", "greedy_on", "greedy_off", "greedy"]
+    assert sorted(rotated(names, 2)) == sorted(names)
