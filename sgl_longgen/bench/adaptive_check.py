@@ -81,7 +81,7 @@ from .gpu_check import make_checkpoints, make_owl_drafter
 from .kernel_trace import markdown, summarize
 
 REPORT_KEYS = ("longgen_spec_steps", "longgen_plain_steps", "longgen_hinted_steps", "longgen_tau", "longgen_spec_ms",
-               "longgen_plain_ms", "longgen_width_steps")
+               "longgen_plain_ms", "longgen_width_steps", "longgen_ahead_steps")
 
 
 def engine(model: Path, algorithm: str | None, draft: Path | None, args):

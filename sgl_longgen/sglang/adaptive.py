@@ -48,8 +48,9 @@ Per request, ``custom_params``:
   running ``longgen_spec_steps``, ``longgen_plain_steps``, ``longgen_hinted_steps`` (speculative
   steps taken on the method's hint alone), ``longgen_tau`` (tokens per speculative step),
   ``longgen_expected_tokens`` (the controller's estimate), the shape's measured
-  ``longgen_spec_ms`` / ``longgen_plain_ms`` and, where widths vary, ``longgen_width_steps``
-  (speculative steps per width, ``"full"`` for the whole draft).
+  ``longgen_spec_ms`` / ``longgen_plain_ms``, where widths vary ``longgen_width_steps``
+  (speculative steps per width, ``"full"`` for the whole draft), and where the call before queued
+  a step's draft and verify ``longgen_ahead_steps`` (how many, :mod:`.spec_ahead`).
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class RequestAdaptive:
     spec_tokens: int = 0
     hinted_steps: int = 0
     width_steps: dict[str, int] = field(default_factory=dict)  # speculative steps per width ("full")
+    ahead_steps: int = 0  # speculative steps the call before queued (.spec_ahead)
 
 
 @dataclass
@@ -230,6 +232,13 @@ class AdaptiveSteps:
         self._planned = (frozenset(s.rid for s in steps), kind, probes, hints, drafted)
         return kind
 
+    def planned_width(self) -> int | None:
+        """The draft width of the step :meth:`plan` planned (trie nodes; None: the full draft or
+        nothing planned): what :attr:`width` will be once that step begins as planned."""
+        planned = self._planned
+        width = planned[4] if planned is not None else None
+        return None if width is None else self.cut(width)
+
     def probing(self) -> bool:
         """The step in progress is speculative only as a probe of every request that decides."""
         cur = self._current
@@ -296,10 +305,11 @@ class AdaptiveSteps:
 
     # -- what the step did -------------------------------------------------------------------
 
-    def record(self, steps, counts: list[int], kind: str, nodes: list | None = None) -> list[dict]:
+    def record(self, steps, counts: list[int], kind: str, nodes: list | None = None, ahead: bool = False) -> list[dict]:
         """Each request's outcome (``counts``: tokens committed; a plain call that ran several
         plain steps committed one per step; ``nodes``: each request's accepted node positions in
-        a speculative step's trie, the root first); returns the report values of the requests that asked."""
+        a speculative step's trie, the root first; ``ahead``: the step's draft and verify were
+        queued by the call before); returns the report values of the requests that asked."""
         probes = self._current.probes if self._current is not None else {}
         hints = self._current.hints if self._current is not None else {}
         costs = self._current.costs if self._current is not None else None
@@ -319,6 +329,7 @@ class AdaptiveSteps:
                 st.hinted_steps += hinted
                 key = "full" if width is None else str(width)
                 st.width_steps[key] = st.width_steps.get(key, 0) + 1
+                st.ahead_steps += ahead
             else:
                 st.plain_steps += n
             c = st.controller
@@ -342,6 +353,8 @@ class AdaptiveSteps:
 
         expected = st.controller.expected() if st.controller is not None else None
         widths = {"longgen_width_steps": dict(st.width_steps)} if set(st.width_steps) - {"full"} else {}
+        if st.ahead_steps:
+            widths["longgen_ahead_steps"] = st.ahead_steps
         return {
             "longgen_spec_steps": st.spec_steps,
             "longgen_plain_steps": st.plain_steps,

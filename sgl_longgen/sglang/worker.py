@@ -58,7 +58,7 @@ from .drafter import Drafter
 from .host_profile import HostProfile
 from .inputs import relay_input
 from .penalty import ContextualPenaltyProcessor
-from .pipeline import batch_key
+from .pipeline import batch_key, likely_finishes
 from .requests import (
     RequestTable,
     StepRequest,
@@ -67,6 +67,7 @@ from .requests import (
     sampling_config,
 )
 from .run_ahead import RunAhead
+from .spec_ahead import SpecAhead
 from .timing import StepClock, append_step_values
 from .verify import Launched, Verifier
 from .width_graphs import capture_width_graphs
@@ -144,6 +145,7 @@ class SpecWorker(BaseSpecWorker):
         self._fault_at = int(env.get("INJECT_DRAFT_FAULT") or 0)
         self._run_cap = PLAIN_RUN  # the longest plain run the next plain call may queue (see PLAIN_RUN)
         self.run_ahead = RunAhead(self.device)  # the next plain call's first forward (see .run_ahead)
+        self.spec_ahead = SpecAhead(self.device)  # the next speculative step's draft and verify (.spec_ahead)
 
     # -- SGLang's worker contract -----------------------------------------------------------------
 
@@ -182,6 +184,7 @@ class SpecWorker(BaseSpecWorker):
 
     def clear_cache_pool(self):
         self.run_ahead.drop()
+        self.spec_ahead.drop()
         self.drafter.reset()
         self.requests.clear()
 
@@ -193,6 +196,7 @@ class SpecWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch, on_publish=None, **kwargs) -> GenerationBatchResult:
         self.drafter.before_forward()
         self.run_ahead.wait()
+        self.spec_ahead.wait()
         profile = self.host_profile
         if batch.forward_mode.is_decode():
             if profile is not None and profile.wants(batch.reqs):
@@ -257,10 +261,16 @@ class SpecWorker(BaseSpecWorker):
             self._run_cap = min(PLAIN_RUN, 2 * self._run_cap)
         elif not self.adaptive.probing():  # a probe inside a plain stretch does not restart its runs
             self._run_cap = 1
+        # This step's draft and verify, if the last call queued them (see .spec_ahead).
+        queued = self.spec_ahead.take_at(batch_key(steps), self.adaptive.width) if speculate else None
+        if queued is None:
+            self.spec_ahead.drop()
         if not speculate and (run > 1 or (run == 1 and self.run_ahead.queued is not None)):
             return self._plain_run(batch, steps, run, on_publish)
         self.run_ahead.drop()  # before anything draws: its generators go back
-        if speculate:
+        if queued is not None:
+            drafts = queued.drafts
+        elif speculate:
             drafts = self._draft(batch, steps, self.adaptive.width)
         else:  # a plain step: the roots alone, no draft forward
             self.drafter.drop_queued()
@@ -270,12 +280,13 @@ class SpecWorker(BaseSpecWorker):
         clock.phase("draft")
 
         seq_lens = batch.seq_lens  # the verify windows start here (the forward may rebind it)
-        clock.gpu_mark("verify_gpu")
-        launched = self.verifier.launch(
-            batch, steps, drafts, lambda b: self._guarded("before_verify", steps, self.drafter.before_verify, b, steps, drafts))
-        clock.gpu_mark("verify_gpu")
+        if queued is not None:
+            launched = queued.launched  # its drafter's after_verify ran behind it
+        else:
+            clock.gpu_mark("verify_gpu")
+            launched = self._launch(batch, steps, drafts)
+            clock.gpu_mark("verify_gpu")
         logits_output = launched.result.logits_output
-        self._guarded("after_verify", steps, self.drafter.after_verify, steps, drafts, logits_output)
         clock.note("verify_rows", float(launched.spec.draft_token_num))
         clock.section("verify_launch")
 
@@ -301,16 +312,70 @@ class SpecWorker(BaseSpecWorker):
         else:
             self.drafter.drop_queued()
         reports = self.adaptive.record(steps, [len(v.tokens) for v in verdicts], SPECULATE if speculate else "plain",
-                                       [v.nodes for v in verdicts])
+                                       [v.nodes for v in verdicts], ahead=queued is not None)
         for step, verdict, report in zip(steps, verdicts, reports):
             if report is not None:
                 append_step_values(step.req, report, len(verdict.tokens))
         clock.section("observe")
 
         result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)
+        if ahead and self._spec_ahead_ok(batch, steps, verdicts):
+            self._queue_spec_ahead(batch, steps, verdicts, result.new_seq_lens)
         clock.phase("overhead")
         clock.finish({s.rid: len(v.tokens) for s, v in zip(steps, verdicts)})
         return result
+
+    def _launch(self, batch, steps: list[StepRequest], drafts: list[Draft]) -> Launched:
+        """The verify forward of ``drafts`` queued, and the drafter's ``after_verify`` right behind it."""
+        launched = self.verifier.launch(
+            batch, steps, drafts, lambda b: self._guarded("before_verify", steps, self.drafter.before_verify, b, steps, drafts))
+        self._guarded("after_verify", steps, self.drafter.after_verify, steps, drafts, launched.result.logits_output)
+        return launched
+
+    # -- the next speculative step, queued ahead (see .spec_ahead) -------------------------------------
+
+    def _spec_ahead_ok(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> bool:
+        """The next call will find what this one would queue for it: nothing SGLang processes per
+        token or returns besides the tokens, no request ending with this step, no timed step."""
+        if not self.spec_ahead.enabled or self.clock.active or batch.return_logprob:
+            return False
+        for step, verdict in zip(steps, verdicts):
+            if step.blocker not in (None, SPECULATION_OFF) or getattr(step.req, "return_hidden_states", False):
+                return False
+            if likely_finishes(step.req, verdict.tokens):
+                return False
+        return True
+
+    def _queue_spec_ahead(self, batch, steps: list[StepRequest], verdicts: list[Verdict],
+                          new_seq_lens: torch.Tensor) -> None:
+        """The next step's draft (at the width planned for it) and verify forward, queued now,
+        with the batch's lengths moved past what this step committed and put back after."""
+        nxt = [replace(step, seq_len=step.seq_len + len(v.tokens)) for step, v in zip(steps, verdicts)]
+        width = self.adaptive.planned_width()
+        if self.spec_ahead.stream is not None:  # what it reads of the main stream's memory stays its own until it ran
+            for owner in (batch, getattr(batch, "sampling_info", None)):
+                for value in getattr(owner, "__dict__", {}).values():
+                    if isinstance(value, torch.Tensor) and value.is_cuda:
+                        value.record_stream(self.spec_ahead.stream)
+            new_seq_lens.record_stream(self.spec_ahead.stream)
+
+        def step():
+            fields = ("forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu",
+                      "seq_lens_sum")
+            saved = [getattr(batch, name) for name in fields]
+            try:
+                lens = [s.seq_len for s in nxt]
+                batch.seq_lens = new_seq_lens
+                batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
+                batch.seq_lens_sum = sum(lens)
+                self.drafter.before_forward()  # its draft queued ahead, on this stream
+                drafts = self._draft(batch, nxt, width, step_count=self.requests.step_count + 1)
+                return drafts, self._launch(batch, nxt, drafts)
+            finally:
+                for name, value in zip(fields, saved):
+                    setattr(batch, name, value)
+
+        self.spec_ahead.queue(batch_key(nxt), width, step)
 
     # -- a run of plain steps ----------------------------------------------------------------------
 
@@ -498,11 +563,11 @@ class SpecWorker(BaseSpecWorker):
                 state.method = self._guarded("start", [step], self.drafter.start, step)
         return steps
 
-    def _draft(self, batch, steps: list[StepRequest], width: int | None) -> list[Draft]:
+    def _draft(self, batch, steps: list[StepRequest], width: int | None, step_count: int | None = None) -> list[Draft]:
         """The drafter's tries, cut to ``width`` nodes (None: its whole draft), and the verify
-        windows of their rows."""
+        windows of their rows (``step_count``: the decode step they are for, when not this one)."""
         max_nodes, rows = (self.num_nodes,) * 2 if width is None else (width, self.drafter.rows(width))
-        if self._fault_at and self.requests.step_count == self._fault_at:
+        if self._fault_at and (step_count or self.requests.step_count) == self._fault_at:
             self._failed("draft", steps, RuntimeError(f"injected by {FAULT_ENV}={self._fault_at}"))
         else:
             drafts = self._guarded("draft", steps, self.drafter.draft, batch, steps,

@@ -24,7 +24,7 @@ import textwrap
 import pytest
 import torch
 from helpers import fit_longspec
-from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop
+from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop, worker_settings
 
 from sgl_longgen.core.longspec import (
     CONFIG_FILE,
@@ -128,6 +128,20 @@ def test_fitted_drafter_is_accepted_and_identical(plain_engine, fitted_engine):
     metas = identical(plain_engine, fitted_engine, PROMPTS, NEW_TOKENS)
     taus = [m["spec_accept_length"] for m in metas]
     assert min(taus) > 1.5, taus  # it speculates, or the comparison proves little
+
+
+def test_steps_queued_by_the_call_before_are_identical(plain_engine, fitted_dir):
+    """With the next step's draft and verify queued before a step returns (``.spec_ahead``, on by
+    default on GPUs): the draft cross-attends to the KV the step before committed. Plain decoding's
+    output, concurrent requests included, and drafts still accepted."""
+    with worker_settings(SPEC_RUN_AHEAD="1"):
+        engine = start(fitted_dir)
+    try:
+        metas = identical(plain_engine, engine, PROMPTS, NEW_TOKENS)
+        assert min(m["spec_accept_length"] for m in metas) > 1.5
+        identical(plain_engine, engine, CONCURRENT, 96)
+    finally:
+        stop(engine)
 
 
 def test_fitted_drafter_with_the_contextual_penalty(plain_engine, fitted_engine):

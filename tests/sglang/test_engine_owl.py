@@ -18,7 +18,7 @@ import torch
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.runtime import load_model
 from helpers import fit_drafter
-from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop
+from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop, worker_settings
 
 NEW_TOKENS = 128
 PENALTY = {"penalty": 1.3, "penalty_window": 32}
@@ -113,6 +113,28 @@ def test_owl_with_fp8_drafter_weights_is_identical(plain_engine, drafter_dir, tm
     engine = start("OWL", fp8_dir)
     try:
         check_identical(plain_engine, engine, min_tau=1.5)
+    finally:
+        stop(engine)
+
+
+@pytest.mark.parametrize("algorithm", ["OWL", "HOWL"])
+def test_steps_queued_by_the_call_before_are_identical(plain_engine, drafter_dir, reduced_drafter_dir, algorithm):
+    """With the next step's draft and verify queued before a step returns (``.spec_ahead``, on by
+    default on GPUs): the [SPEC] rows of a queued verify are cleared behind it, and the beams and
+    suffix chains it drafts from are those of the step before. Plain decoding's output, with and
+    without the contextual penalty, and most steps taken from the queue."""
+    with worker_settings(SPEC_RUN_AHEAD="1"):
+        engine = start(algorithm, drafter_dir if algorithm == "OWL" else reduced_drafter_dir)
+    try:
+        check_identical(plain_engine, engine, min_tau=1.5)
+        check_identical(plain_engine, engine, min_tau=1.2, custom_params=PENALTY)
+        got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(
+            NEW_TOKENS, custom_params={"longgen_report": True, "longgen_speculation": "on"}))
+        for g in got:
+            meta = g["meta_info"]
+            spec = [v for v in meta["longgen_spec_steps"] if v is not None][-1]
+            ahead = [v for v in meta.get("longgen_ahead_steps", []) if v is not None]
+            assert ahead and ahead[-1] >= spec // 2, (spec, ahead[-1:])
     finally:
         stop(engine)
 
