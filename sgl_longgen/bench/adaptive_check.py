@@ -52,6 +52,9 @@ Every engine also generates ``2N`` tokens at the first context by plain steps on
 with speculation off), greedy and sampled with a seed: ``plain_step_outputs`` in the JSON gives
 the first index where its greedy output differs from plain decoding's and, for ``+ahead``, where
 its sampled output differs from the same method's without it (None: identical).
+``--spec-run-ahead on|off|both`` likewise sets ``SGLANG_LONGGEN_SPEC_RUN_AHEAD``
+(:mod:`sgl_longgen.sglang.spec_ahead`: the next speculative step queued before a step returns);
+``both`` runs the method's engine without and with it, the second as ``<METHOD>+spec``.
 
 ``--sections``: at every context, one more ``2N``-token request of each greedy setting (auto, on,
 off, each width) with the step timing on, summarized as the median of each section per kind of
@@ -393,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="[adaptive] widths of the methods' draft directories, each also timed fixed (greedy_w<W>)")
     p.add_argument("--plain-run-ahead", choices=("default", "on", "off", "both"), default="default",
                    help="queue a plain run's next forward before the call returns (default: the worker's default)")
+    p.add_argument("--spec-run-ahead", choices=("default", "on", "off", "both"), default="default",
+                   help="queue the next speculative step's draft and verify before a step returns (default: the "
+                        "worker's default)")
     p.add_argument("--timeline", action="store_true", help="per-step timing of a sampled and a greedy request")
     p.add_argument("--sections", action="store_true",
                    help="at each context, one more request of each greedy setting with the step timing on: the "
@@ -422,12 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     batch_prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(args.batch_context)] for _ in range(args.batch)]
     outputs: dict[str, dict[str, list[int]]] = {}  # plain-step outputs per engine (compare_outputs)
     aheads = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.plain_run_ahead]
-    runs = ([] if args.skip_plain else [(None, None)]) + [(a, ahead) for a in args.algorithms for ahead in aheads]
+    specs = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.spec_run_ahead]
+    runs = ([] if args.skip_plain else [(None, None, None)]) + [
+        (a, ahead, spec) for a in args.algorithms for ahead in aheads for spec in specs]
 
     def save() -> None:
         args.out.write_text(json.dumps(report, indent=1))
 
-    for algorithm, ahead in runs:
+    for algorithm, ahead, spec in runs:
         draft = None
         if algorithm == "TOKENSWIFT":
             draft = heads
@@ -435,18 +443,22 @@ def main(argv: list[str] | None = None) -> int:
             draft = make_owl_drafter(root, args.owl_width, args.owl_draft_vocab)
         if draft is not None and args.widths:
             with_widths(draft, args.widths)
-        name = (algorithm or "plain") + ("+ahead" if ahead and args.plain_run_ahead == "both" else "")
+        name = ((algorithm or "plain") + ("+ahead" if ahead and args.plain_run_ahead == "both" else "")
+                + ("+spec" if spec and args.spec_run_ahead == "both" else ""))
         print(f"{name}:", flush=True)
         if algorithm is not None:
             os.environ[env.name("ADAPTIVE")] = "1"
         if ahead is not None:
             os.environ[env.name("PLAIN_RUN_AHEAD")] = str(int(ahead))
+        if spec is not None:
+            os.environ[env.name("SPEC_RUN_AHEAD")] = str(int(spec))
         t = time.time()
         try:
             eng = engine(model, algorithm, draft, args)
         finally:
             os.environ.pop(env.name("ADAPTIVE"), None)
             os.environ.pop(env.name("PLAIN_RUN_AHEAD"), None)
+            os.environ.pop(env.name("SPEC_RUN_AHEAD"), None)
         start = round(time.time() - t, 1)
         try:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}

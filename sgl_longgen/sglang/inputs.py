@@ -10,6 +10,8 @@ forward's input is what SGLang's EAGLE draft decode is to its backends, a DECODE
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
@@ -84,3 +86,16 @@ def relay_input(draft_token_num: int, new_seq_lens: torch.Tensor, accept_tokens:
     """What the scheduler carries between rounds (our per-request state lives in the worker)."""
     return NgramVerifyInput(draft_token_num=draft_token_num, new_seq_lens=new_seq_lens,
                             accept_tokens=accept_tokens, accept_lens=accept_lens)
+
+
+@contextmanager
+def restored(batch, *names: str):
+    """The batch's fields ``names`` put back as they were on leaving: a forward of ours sets the
+    batch's inputs for itself (a draft, a verify queued for the next call), and SGLang's scheduler
+    must find the batch as its own step left it."""
+    saved = [getattr(batch, name) for name in names]
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(batch, name, value)

@@ -45,7 +45,7 @@ from .capture import ImportanceScorer, PreNormCapture, VerifyScores
 from .draft_dir import DEFAULTS_FILE, inspect_heads_draft_dir
 from .draft_graph import DraftGraphRunner
 from .drafter import Drafter, Shadow
-from .inputs import PartialDraftInput
+from .inputs import PartialDraftInput, restored
 from .pipeline import DraftPipeline, batch_key, likely_finishes
 from .requests import PenaltyDefaults, StepRequest
 
@@ -338,11 +338,10 @@ class TokenSwiftDrafter(Drafter):
 
     def _forward_batch(self, batch, inputs: SimpleNamespace) -> tuple[torch.Tensor]:
         """The draft forward through a ``ForwardBatch``: first captures, scoring steps, no graphs."""
-        names = ("forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu", "seq_lens_sum")
-        saved = tuple(getattr(batch, k) for k in names)
-        try:
+        names = ("input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu", "seq_lens_sum")
+        with restored(batch, "forward_mode", *names):
             batch.forward_mode = ForwardMode.DECODE
-            for k in names[1:]:
+            for k in names:
                 setattr(batch, k, getattr(inputs, k))
             forward_batch = ForwardBatch.init_new(batch, self.env.runner, return_hidden_states_before_norm=False)
             if self.graphs.can_run(forward_batch):
@@ -350,9 +349,6 @@ class TokenSwiftDrafter(Drafter):
             with self.capture:
                 self.env.runner.forward(forward_batch)
             return self._candidates(self.capture.normed, self.capture.value)
-        finally:
-            for k, v in zip(names, saved):
-                setattr(batch, k, v)
 
     # -- the next draft, queued early --------------------------------------------------------------
 

@@ -18,6 +18,10 @@ alone through a width-1 verify (its own CUDA graph on GPUs, :mod:`.width_graphs`
 draws and commit. Whichever kind a step is, the next one's is decided before a drafter may queue
 its draft behind the commit, so no draft is queued for a plain step.
 
+Where the next step is planned speculative, its draft and verify forward are queued before the
+call returns (:mod:`.spec_ahead`, on GPUs): SGLang's scheduler then processes this step's results
+while that verify computes, and the next call starts from its draws.
+
 Where nothing in the batch needs the host between two tokens (no contextual penalty or SGLang
 processing that reads the newest output, no logprobs), a plain step is a *run* of up to
 :data:`PLAIN_RUN` width-1 forwards queued back to back, each fed the token the last one drew on
@@ -56,7 +60,7 @@ from .adaptive import SPECULATION_OFF, AdaptiveSteps, server_config
 from .buffers import Staging
 from .drafter import Drafter
 from .host_profile import HostProfile
-from .inputs import relay_input
+from .inputs import relay_input, restored
 from .penalty import ContextualPenaltyProcessor
 from .pipeline import batch_key, likely_finishes
 from .requests import (
@@ -102,6 +106,20 @@ class WorkerEnv:
     vocab_size: int
     staging: Staging
     clock: StepClock
+
+
+def keep_for(stream: torch.cuda.Stream | None, batch, *tensors: torch.Tensor) -> None:
+    """Work about to be queued on ``stream`` (None: none, off GPUs) reads the batch's device
+    tensors and ``tensors``, made on the main stream: they stay allocated until it ran (the caching
+    allocator would otherwise hand their memory out again once the main stream is done with them)."""
+    if stream is None:
+        return
+    for tensor in tensors:
+        tensor.record_stream(stream)
+    for owner in (batch, getattr(batch, "sampling_info", None)):
+        for value in getattr(owner, "__dict__", {}).values():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(stream)
 
 
 def drafter_for(algorithm: str, env: WorkerEnv) -> Drafter:
@@ -352,18 +370,11 @@ class SpecWorker(BaseSpecWorker):
         with the batch's lengths moved past what this step committed and put back after."""
         nxt = [replace(step, seq_len=step.seq_len + len(v.tokens)) for step, v in zip(steps, verdicts)]
         width = self.adaptive.planned_width()
-        if self.spec_ahead.stream is not None:  # what it reads of the main stream's memory stays its own until it ran
-            for owner in (batch, getattr(batch, "sampling_info", None)):
-                for value in getattr(owner, "__dict__", {}).values():
-                    if isinstance(value, torch.Tensor) and value.is_cuda:
-                        value.record_stream(self.spec_ahead.stream)
-            new_seq_lens.record_stream(self.spec_ahead.stream)
+        keep_for(self.spec_ahead.stream, batch, new_seq_lens)
 
         def step():
-            fields = ("forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu",
-                      "seq_lens_sum")
-            saved = [getattr(batch, name) for name in fields]
-            try:
+            with restored(batch, "forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens", "seq_lens_cpu",
+                          "seq_lens_sum"):
                 lens = [s.seq_len for s in nxt]
                 batch.seq_lens = new_seq_lens
                 batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
@@ -371,9 +382,6 @@ class SpecWorker(BaseSpecWorker):
                 self.drafter.before_forward()  # its draft queued ahead, on this stream
                 drafts = self._draft(batch, nxt, width, step_count=self.requests.step_count + 1)
                 return drafts, self._launch(batch, nxt, drafts)
-            finally:
-                for name, value in zip(fields, saved):
-                    setattr(batch, name, value)
 
         self.spec_ahead.queue(batch_key(nxt), width, step)
 
@@ -531,23 +539,12 @@ class SpecWorker(BaseSpecWorker):
     def _queue_run_ahead(self, batch, origin, steps: list[StepRequest], k: int, roots: list[Draft], launched,
                          draws: torch.Tensor) -> None:
         """The forward at ``k`` past this call's lengths, for the next call (see :mod:`.run_ahead`)."""
-        stream = self.run_ahead.stream
-        if stream is not None:  # what it reads of the main stream's memory stays the run-ahead's until it ran
-            draws.record_stream(stream)
-            for owner in (batch, getattr(batch, "sampling_info", None)):
-                for value in getattr(owner, "__dict__", {}).values():
-                    if isinstance(value, torch.Tensor) and value.is_cuda:
-                        value.record_stream(stream)
+        keep_for(self.run_ahead.stream, batch, draws)
 
         def forward():
             # The batch leaves this call as the run's last forward left it, not as this one does.
-            fields = ("forward_mode", "input_ids", "out_cache_loc", "spec_info")
-            saved = [getattr(batch, name) for name in fields]
-            try:
+            with restored(batch, "forward_mode", "input_ids", "out_cache_loc", "spec_info"):
                 queued, token, rows = self._plain_forward(batch, origin, steps, k, roots, launched, draws[k - 1])
-            finally:
-                for name, value in zip(fields, saved):
-                    setattr(batch, name, value)
             return queued, token, None if rows is None else rows.clone()  # a graph's output is overwritten
 
         key = batch_key(steps, [s.seq_len + k for s in steps])
