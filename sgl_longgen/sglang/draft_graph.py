@@ -91,6 +91,13 @@ class DraftGraphRunner:
         spec = forward_batch.spec_info
         return self.enabled and forward_batch.batch_size <= self.max_bs and not spec.wants_scores
 
+    def would_capture(self, batch_size: int) -> bool:
+        """A draft forward of this batch size could capture its graph now (none captured yet;
+        True also while it is not known yet whether this runner serves at all)."""
+        if self.enabled is None:
+            return True
+        return bool(self.enabled) and batch_size <= self.max_bs and batch_size not in self.graphs
+
     def ready(self, batch_size: int) -> bool:
         """A checked graph for this batch size exists: :meth:`load` and :meth:`launch` can serve the step."""
         entry = self.graphs.get(batch_size)

@@ -58,6 +58,12 @@ class Drafter:
         (:mod:`sgl_longgen.core.adaptive`). None: no such estimate."""
         return None
 
+    def can_draft_ahead(self, key: tuple) -> bool:
+        """Whether the worker may draft the step with batch ``key`` before this call returns, on a
+        stream of its own (:mod:`.spec_ahead`): nothing in that draft captures a CUDA graph (a
+        drafter that captures per batch size has one for this batch, which just drafted)."""
+        return True
+
     def before_verify(self, batch, steps: list[StepRequest], drafts: list[Draft]) -> None:
         """Last changes to the verify batch (e.g. input-embedding overrides)."""
 

@@ -332,6 +332,12 @@ class LongSpecDrafter(Drafter):
             self.rope = FrozenRope(self.rope)
             self._graphed = GraphedBeam(self._beam)
 
+    def can_draft_ahead(self, key: tuple) -> bool:
+        # The graphed step exists for this batch size (and the pool it holds): no capture ahead.
+        graphed = self._graphed
+        return (graphed is None or not graphed.enabled
+                or (self._graph_version == self.pool.version and len(key) in graphed.checked))
+
     # -- per request -----------------------------------------------------------------------------
 
     def start(self, step: StepRequest) -> LongSpecRequest:

@@ -108,6 +108,7 @@ class OwlDrafter(Drafter):
                                   compile=o.beam == "compiled")
         self.method = self._method(draft.defaults, self.beam)
         self.pipeline = DraftPipeline(env.device)  # the next step's beam, expanded ahead
+        self._draftable: tuple | None = None  # the batch after_commit readied a draft for (can_draft_ahead)
         sampling = draft.defaults.sampling
         self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
         self.prefill_states: dict[str, torch.Tensor] = {}
@@ -164,6 +165,12 @@ class OwlDrafter(Drafter):
     def rows(self, max_nodes: int) -> int:
         return verify_width(max_nodes - 1, self.owl.spec)
 
+    def can_draft_ahead(self, key: tuple) -> bool:
+        # Only where after_commit expanded that batch's beam, or its steps need none (HOWL's linear
+        # rounds): expanding one here could capture the beam's graph for a new number of tree rows
+        # on the run-ahead stream.
+        return key == self._draftable
+
     def before_verify(self, batch, steps: list[StepRequest], drafts: list[Draft]) -> None:
         n = batch.spec_info.draft_token_num  # the step's verify width
         rows = [b * n + leaf for b, draft in enumerate(drafts) for leaf in draft.leaves]
@@ -192,13 +199,17 @@ class OwlDrafter(Drafter):
         if its batch and routes are the same). Not for a request about to finish, nor on a GPU
         before the beam's graph of this size exists (no capture on that stream)."""
         self.pipeline.drop()
+        self._draftable = None
         if any(likely_finishes(step.req, verdict.tokens) for step, verdict in zip(steps, verdicts)):
             return
         nxt = [replace(step, seq_len=step.seq_len + len(v.tokens)) for step, v in zip(steps, verdicts)]
         routes = self._routes(nxt)
         rows = self.method.tree_rows(routes)
         stream = self.pipeline.stream
-        if not rows or (stream is not None and not self.beam.ready(len(rows))):
+        if not rows:
+            self._draftable = batch_key(nxt)  # no beam to expand
+            return
+        if stream is not None and not self.beam.ready(len(rows)):
             return
         states, roots = [s.state.method for s in nxt], [s.root for s in nxt]
         done = None
@@ -211,14 +222,17 @@ class OwlDrafter(Drafter):
             done = torch.cuda.Event()
             done.record(stream)
         self.pipeline.keep(batch_key(nxt), ((rows, beam), done, None))
+        self._draftable = batch_key(nxt)
 
     def before_forward(self) -> None:
         self.pipeline.wait()
 
     def drop_queued(self) -> None:
+        self._draftable = None
         self.pipeline.reset()
 
     def reset(self) -> None:
+        self._draftable = None
         self.pipeline.reset()
         self.method.reset()
 

@@ -169,6 +169,12 @@ class TokenSwiftDrafter(Drafter):
     def finish(self, rid: str) -> None:
         self._prepared.drop(rid)
 
+    def can_draft_ahead(self, key: tuple) -> bool:
+        # A draft queued for that batch, or a draft graph of its batch size that exists (none is
+        # captured ahead, on the run-ahead stream).
+        queued = self.pipeline.queued
+        return (queued is not None and queued.key == key) or not self.graphs.would_capture(len(key))
+
     def hint(self, step: StepRequest) -> float | None:
         return self.method.history_hint(step.state.method, step.history, step.sampling)
 

@@ -337,7 +337,7 @@ class SpecWorker(BaseSpecWorker):
         clock.section("observe")
 
         result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)
-        if ahead and self._spec_ahead_ok(batch, steps, verdicts):
+        if speculate and ahead and self._spec_ahead_ok(batch, steps, verdicts):
             self._queue_spec_ahead(batch, steps, verdicts, result.new_seq_lens)
         clock.phase("overhead")
         clock.finish({s.rid: len(v.tokens) for s, v in zip(steps, verdicts)})
@@ -354,7 +354,9 @@ class SpecWorker(BaseSpecWorker):
 
     def _spec_ahead_ok(self, batch, steps: list[StepRequest], verdicts: list[Verdict]) -> bool:
         """The next call will find what this one would queue for it: nothing SGLang processes per
-        token or returns besides the tokens, no request ending with this step, no timed step."""
+        token or returns besides the tokens, no request ending with this step, no timed step. (Only
+        behind a speculative step: its batch just drafted, so a drafter that captures a graph per
+        batch size has it; see :meth:`Drafter.can_draft_ahead`.)"""
         if not self.spec_ahead.enabled or self.clock.active or batch.return_logprob:
             return False
         for step, verdict in zip(steps, verdicts):
@@ -369,6 +371,8 @@ class SpecWorker(BaseSpecWorker):
         """The next step's draft (at the width planned for it) and verify forward, queued now,
         with the batch's lengths moved past what this step committed and put back after."""
         nxt = [replace(step, seq_len=step.seq_len + len(v.tokens)) for step, v in zip(steps, verdicts)]
+        if not self.drafter.can_draft_ahead(batch_key(nxt)):
+            return
         width = self.adaptive.planned_width()
         keep_for(self.spec_ahead.stream, batch, new_seq_lens)
 
