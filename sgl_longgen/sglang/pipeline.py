@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import env
+
 
 @dataclass
 class QueuedDraft:
@@ -28,6 +30,19 @@ class QueuedDraft:
     candidates: object  # the draft's device results (TokenSwift's candidates, OWL's tree rows and beam)
     done: torch.cuda.Event | None  # recorded on the draft's stream after it (GPU)
     gpu_span: list | None  # the forward's CUDA events (timed steps)
+
+
+def where_streams(key: str, device: torch.device) -> bool:
+    """An on/off setting ``SGLANG_LONGGEN_<key>`` (``1``/``0``) of work queued ahead; unset, on
+    where the device has streams to run it beside the host (a GPU; a CPU computes it in place)."""
+    raw = (env.get(key) or "").strip().lower()
+    if raw == "":
+        return device.type == "cuda"
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{env.name(key)} must be 1 or 0, got {raw!r}")
 
 
 def batch_key(steps, lengths=None) -> tuple:
@@ -82,6 +97,16 @@ class QueuedSlot:
 
     def release(self, queued) -> None:
         """What dropping ``queued`` takes besides forgetting it."""
+
+
+class StreamSlot(QueuedSlot):
+    """A :class:`QueuedSlot` whose work runs on a stream of its own where the device has streams,
+    while the setting ``SGLANG_LONGGEN_<key>`` is on (:func:`where_streams`; ``enabled`` overrides it)."""
+
+    def __init__(self, device: torch.device, key: str, enabled: bool | None = None):
+        super().__init__()
+        self.enabled = where_streams(key, device) if enabled is None else enabled
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.enabled else None
 
 
 class DraftPipeline(QueuedSlot):

@@ -36,21 +36,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import env
-from .pipeline import QueuedSlot
+from .pipeline import StreamSlot, where_streams
 
 RUN_AHEAD_ENV = env.name("PLAIN_RUN_AHEAD")
 
 
 def run_ahead_enabled(device: torch.device) -> bool:
     """``SGLANG_LONGGEN_PLAIN_RUN_AHEAD``; unset: on where the device has streams (a GPU)."""
-    raw = (env.get("PLAIN_RUN_AHEAD") or "").strip().lower()
-    if raw == "":
-        return device.type == "cuda"
-    if raw in ("0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{RUN_AHEAD_ENV} must be 1 or 0, got {raw!r}")
+    return where_streams("PLAIN_RUN_AHEAD", device)
 
 
 @dataclass
@@ -63,11 +56,9 @@ class QueuedPlain:
     done: torch.cuda.Event | None  # recorded on the run-ahead stream after the draw (GPU)
 
 
-class RunAhead(QueuedSlot):
+class RunAhead(StreamSlot):
     def __init__(self, device: torch.device, enabled: bool | None = None):
-        super().__init__()
-        self.enabled = run_ahead_enabled(device) if enabled is None else enabled
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.enabled else None
+        super().__init__(device, "PLAIN_RUN_AHEAD", enabled)
         self.queued: QueuedPlain | None = None
 
     def release(self, queued: QueuedPlain) -> None:

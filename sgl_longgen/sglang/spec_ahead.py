@@ -38,21 +38,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import env
-from .pipeline import QueuedSlot
+from .pipeline import StreamSlot, where_streams
 
 SPEC_RUN_AHEAD_ENV = env.name("SPEC_RUN_AHEAD")
 
 
 def spec_ahead_enabled(device: torch.device) -> bool:
     """``SGLANG_LONGGEN_SPEC_RUN_AHEAD``; unset: on where the device has streams (a GPU)."""
-    raw = (env.get("SPEC_RUN_AHEAD") or "").strip().lower()
-    if raw == "":
-        return device.type == "cuda"
-    if raw in ("0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{SPEC_RUN_AHEAD_ENV} must be 1 or 0, got {raw!r}")
+    return where_streams("SPEC_RUN_AHEAD", device)
 
 
 @dataclass
@@ -64,11 +57,9 @@ class QueuedSpec:
     done: torch.cuda.Event | None  # recorded on the run-ahead stream after the launch (GPU)
 
 
-class SpecAhead(QueuedSlot):
+class SpecAhead(StreamSlot):
     def __init__(self, device: torch.device, enabled: bool | None = None):
-        super().__init__()
-        self.enabled = spec_ahead_enabled(device) if enabled is None else enabled
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.enabled else None
+        super().__init__(device, "SPEC_RUN_AHEAD", enabled)
         self.queued: QueuedSpec | None = None
 
     def release(self, queued: QueuedSpec) -> None:

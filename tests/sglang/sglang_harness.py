@@ -77,6 +77,21 @@ def check_budgets(plain_engine, engine) -> None:
             assert g["meta_info"]["completion_tokens"] == n
 
 
+def check_same_draws(without, with_, custom_params: dict) -> None:
+    """Sampled requests (temperature 1) give the very same tokens on both engines: the worker's
+    ``with_`` setting changes when work is queued, never which draws are made. Unseeded requests
+    share one generator, the second has its own seed; they end on stop tokens at different
+    points, mid-way, so work queued for batches that never come is dropped too."""
+    stops = [list(range(10, 16)), list(range(100, 104)), []]
+    params = [{"max_new_tokens": 120 + 20 * i, "temperature": 1.0, "stop_token_ids": s, "custom_params": custom_params,
+               **({"sampling_seed": 7} if i == 1 else {})} for i, s in enumerate(stops)]
+    outputs = [[o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
+               for engine in (without, with_)]
+    assert outputs[1] == outputs[0]
+    lengths = [len(o) for o in outputs[1]]
+    assert len(set(lengths)) == 3 and min(lengths) < 100, lengths  # they end apart, mid-way
+
+
 def greedy(max_new_tokens: int, **extra) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **extra}
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_harness import PROMPTS, greedy, spec_args, stop, worker_settings
+from sglang_harness import (
+    PROMPTS,
+    check_same_draws,
+    greedy,
+    spec_args,
+    stop,
+    worker_settings,
+)
 
 from sgl_longgen.sglang.run_ahead import RUN_AHEAD_ENV, RunAhead, run_ahead_enabled
 
@@ -58,15 +65,7 @@ def test_token_budgets(plain_engine, ahead_engine, n):
 def test_sampled_draws_are_the_ones_made_without_it(spec_engine, ahead_engine):
     """Unseeded requests share one generator, seeded ones have their own. Requests end on stop
     tokens at different points, so calls queue forwards for batches that do not come."""
-    stops = [list(range(10, 16)), list(range(100, 104)), []]
-    params = [{"max_new_tokens": 120 + 20 * i, "temperature": 1.0, "stop_token_ids": s, "custom_params": OFF,
-               **({"sampling_seed": 7} if i == 1 else {})} for i, s in enumerate(stops)]
-    outputs = {}
-    for name, engine in (("without", spec_engine), ("with", ahead_engine)):
-        outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
-    assert outputs["with"] == outputs["without"]
-    lengths = [len(o) for o in outputs["with"]]
-    assert len(set(lengths)) == 3 and min(lengths) < 100, lengths  # they end apart, mid-way
+    check_same_draws(spec_engine, ahead_engine, OFF)
 
 
 def test_greedy_mixes_of_plain_and_speculative_steps(plain_engine, ahead_engine):

@@ -11,9 +11,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_harness import BUDGETS, PROMPTS, greedy, spec_args, stop, worker_settings
+from sglang_harness import (
+    BUDGETS,
+    PROMPTS,
+    check_same_draws,
+    greedy,
+    spec_args,
+    stop,
+    worker_settings,
+)
 
-from sgl_longgen.sglang.spec_ahead import SPEC_RUN_AHEAD_ENV, SpecAhead, spec_ahead_enabled
+from sgl_longgen.sglang.spec_ahead import (
+    SPEC_RUN_AHEAD_ENV,
+    SpecAhead,
+    spec_ahead_enabled,
+)
 
 ON = {"longgen_speculation": "on"}
 
@@ -59,15 +71,7 @@ def test_token_budgets(plain_engine, ahead_engine, n):
 def test_sampled_draws_are_the_ones_made_without_it(spec_engine, ahead_engine):
     """Unseeded requests share one generator, a seeded one has its own. The requests end on stop
     tokens at different points, so queued steps are dropped for batches that do not come."""
-    stops = [list(range(10, 16)), list(range(100, 104)), []]
-    params = [{"max_new_tokens": 120 + 20 * i, "temperature": 1.0, "stop_token_ids": s, "custom_params": ON,
-               **({"sampling_seed": 7} if i == 1 else {})} for i, s in enumerate(stops)]
-    outputs = {}
-    for name, engine in (("without", spec_engine), ("with", ahead_engine)):
-        outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
-    assert outputs["with"] == outputs["without"]
-    lengths = [len(o) for o in outputs["with"]]
-    assert len(set(lengths)) == 3 and min(lengths) < 100, lengths  # they end apart, mid-way
+    check_same_draws(spec_engine, ahead_engine, ON)
 
 
 def test_greedy_mixes_of_plain_and_speculative_steps_and_widths(plain_engine, ahead_engine):
