@@ -13,7 +13,7 @@ our variables carry the prefix SGLang itself keeps. A variable still set under t
 ``PREFILL_BACKEND``     ``auto`` (FA3 for plain prefills where it serves the model) or ``flashinfer``
 ``ADAPTIVE``            ``1`` / ``0``: adaptive speculation on / off by default (overrides ``[adaptive] enabled``)
 ``PLAIN_RUN_AHEAD``     ``1`` / ``0``: a run of plain steps queues the next call's first forward (default: on GPUs)
-``SPEC_RUN_AHEAD``      ``1`` / ``0``: a speculative step queues the next one's draft and verify (default: on GPUs)
+``SPEC_RUN_AHEAD``      ``1`` / ``0``: a speculative step queues the next one's draft and verify (default: off)
 ``VERIFY_CHECK``        ``1``: compare every hybrid verify layer with FlashInfer's (eager)
 ``HOST_PROFILE``        a file: cProfile the decode steps of requests that ask for it
 ``INJECT_DRAFT_FAULT``  ``N``: drafting raises on the N-th decode step (fault-isolation tests)

@@ -32,12 +32,13 @@ class QueuedDraft:
     gpu_span: list | None  # the forward's CUDA events (timed steps)
 
 
-def where_streams(key: str, device: torch.device) -> bool:
+def where_streams(key: str, device: torch.device, default: bool = True) -> bool:
     """An on/off setting ``SGLANG_LONGGEN_<key>`` (``1``/``0``) of work queued ahead; unset, on
-    where the device has streams to run it beside the host (a GPU; a CPU computes it in place)."""
+    where the device has streams to run it beside the host (a GPU; a CPU computes it in place)
+    unless ``default`` is False (opt-in everywhere)."""
     raw = (env.get(key) or "").strip().lower()
     if raw == "":
-        return device.type == "cuda"
+        return default and device.type == "cuda"
     if raw in ("0", "false", "no", "off"):
         return False
     if raw in ("1", "true", "yes", "on"):
@@ -103,9 +104,9 @@ class StreamSlot(QueuedSlot):
     """A :class:`QueuedSlot` whose work runs on a stream of its own where the device has streams,
     while the setting ``SGLANG_LONGGEN_<key>`` is on (:func:`where_streams`; ``enabled`` overrides it)."""
 
-    def __init__(self, device: torch.device, key: str, enabled: bool | None = None):
+    def __init__(self, device: torch.device, key: str, enabled: bool | None = None, default: bool = True):
         super().__init__()
-        self.enabled = where_streams(key, device) if enabled is None else enabled
+        self.enabled = where_streams(key, device, default) if enabled is None else enabled
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.enabled else None
 
 

@@ -26,8 +26,9 @@ It is not queued where the next call may differ in what the verify reads or retu
 that SGLang processes per token (blocked: grammars, count penalties), logprobs or hidden states
 returned, a request likely to finish with this step (:func:`~.pipeline.likely_finishes`), or a
 timed step (its sections would be another step's). A device without streams (the CPU engine of
-the tests) computes it in place: no time saved, the same bookkeeping. So it is on by default on
-GPUs and off on CPUs; ``SGLANG_LONGGEN_SPEC_RUN_AHEAD=1`` / ``0`` turns it on / off on either.
+the tests) computes it in place: no time saved, the same bookkeeping. It is opt-in for now
+(``SGLANG_LONGGEN_SPEC_RUN_AHEAD=1``, on GPUs and CPUs alike): :data:`DEFAULT` turns it on for
+GPUs once a GPU run has measured what it saves.
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ from .pipeline import StreamSlot, where_streams
 SPEC_RUN_AHEAD_ENV = env.name("SPEC_RUN_AHEAD")
 
 
+# Off unless asked for (``=1``) until its gain is measured on a GPU (``adaptive_check --spec-run-ahead both``).
+DEFAULT = False
+
+
 def spec_ahead_enabled(device: torch.device) -> bool:
-    """``SGLANG_LONGGEN_SPEC_RUN_AHEAD``; unset: on where the device has streams (a GPU)."""
-    return where_streams("SPEC_RUN_AHEAD", device)
+    """``SGLANG_LONGGEN_SPEC_RUN_AHEAD``; unset: :data:`DEFAULT` where the device has streams."""
+    return where_streams("SPEC_RUN_AHEAD", device, DEFAULT)
 
 
 @dataclass
@@ -59,7 +64,7 @@ class QueuedSpec:
 
 class SpecAhead(StreamSlot):
     def __init__(self, device: torch.device, enabled: bool | None = None):
-        super().__init__(device, "SPEC_RUN_AHEAD", enabled)
+        super().__init__(device, "SPEC_RUN_AHEAD", enabled, DEFAULT)
         self.queued: QueuedSpec | None = None
 
     def release(self, queued: QueuedSpec) -> None:

@@ -18,9 +18,9 @@ alone through a width-1 verify (its own CUDA graph on GPUs, :mod:`.width_graphs`
 draws and commit. Whichever kind a step is, the next one's is decided before a drafter may queue
 its draft behind the commit, so no draft is queued for a plain step.
 
-Where the next step is planned speculative, its draft and verify forward are queued before the
-call returns (:mod:`.spec_ahead`, on GPUs): SGLang's scheduler then processes this step's results
-while that verify computes, and the next call starts from its draws.
+Where the next step is planned speculative, its draft and verify forward may be queued before
+the call returns (:mod:`.spec_ahead`, opt-in): SGLang's scheduler then processes this step's
+results while that verify computes, and the next call starts from its draws.
 
 Where nothing in the batch needs the host between two tokens (no contextual penalty or SGLang
 processing that reads the newest output, no logprobs), a plain step is a *run* of up to

@@ -131,8 +131,8 @@ def test_fitted_drafter_is_accepted_and_identical(plain_engine, fitted_engine):
 
 
 def test_steps_queued_by_the_call_before_are_identical(plain_engine, fitted_dir):
-    """With the next step's draft and verify queued before a step returns (``.spec_ahead``, on by
-    default on GPUs): the draft cross-attends to the KV the step before committed. Plain decoding's
+    """With the next step's draft and verify queued before a step returns (``.spec_ahead``,
+    opt-in): the draft cross-attends to the KV the step before committed. Plain decoding's
     output, concurrent requests included, and drafts still accepted."""
     with worker_settings(SPEC_RUN_AHEAD="1"):
         engine = start(fitted_dir)

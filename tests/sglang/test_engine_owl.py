@@ -119,8 +119,8 @@ def test_owl_with_fp8_drafter_weights_is_identical(plain_engine, drafter_dir, tm
 
 @pytest.mark.parametrize("algorithm", ["OWL", "HOWL"])
 def test_steps_queued_by_the_call_before_are_identical(plain_engine, drafter_dir, reduced_drafter_dir, algorithm):
-    """With the next step's draft and verify queued before a step returns (``.spec_ahead``, on by
-    default on GPUs): the [SPEC] rows of a queued verify are cleared behind it, and the beams and
+    """With the next step's draft and verify queued before a step returns (``.spec_ahead``,
+    opt-in): the [SPEC] rows of a queued verify are cleared behind it, and the beams and
     suffix chains it drafts from are those of the step before. Plain decoding's output, with and
     without the contextual penalty, and most steps taken from the queue."""
     with worker_settings(SPEC_RUN_AHEAD="1"):

@@ -1,6 +1,6 @@
 """The next speculative step's draft and verify, queued before a speculative step returns (``.spec_ahead``).
 
-A TOKENSWIFT engine with ``SGLANG_LONGGEN_SPEC_RUN_AHEAD=1`` (on by default on GPUs only) against
+A TOKENSWIFT engine with ``SGLANG_LONGGEN_SPEC_RUN_AHEAD=1`` (opt-in) against
 plain decoding and against the same worker without it (the module's ``spec_engine``): the same
 greedy tokens, and at temperature 1 the very same draws (the draws stay in the call that takes the
 queued verify, in the order they had), including where requests end on stop tokens mid-way and
@@ -104,9 +104,11 @@ def test_a_queued_step_is_taken_once_only_by_its_batch_at_its_width():
     assert ahead.take_at(("a", 0, 10), 4) is None
 
 
-def test_on_by_default_where_the_device_has_streams(monkeypatch):
+def test_opt_in_and_then_on_either_device(monkeypatch):
     monkeypatch.delenv(SPEC_RUN_AHEAD_ENV, raising=False)
-    assert spec_ahead_enabled(torch.device("cuda")) and not spec_ahead_enabled(torch.device("cpu"))
+    assert not spec_ahead_enabled(torch.device("cuda")) and not spec_ahead_enabled(torch.device("cpu"))
+    monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, "1")
+    assert spec_ahead_enabled(torch.device("cuda"))
     monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, "0")
     assert not spec_ahead_enabled(torch.device("cuda"))
     monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, "1")
