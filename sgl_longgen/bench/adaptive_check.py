@@ -83,6 +83,8 @@ from ..sglang.engine import open_engine, stop_engine
 from .gpu_check import make_checkpoints, make_owl_drafter
 from .kernel_trace import markdown, summarize
 
+# --plain-run-ahead / --spec-run-ahead: the worker setting's values to run (None: its default).
+SETTING_VALUES = {"default": [None], "on": [True], "off": [False], "both": [False, True]}
 REPORT_KEYS = ("longgen_spec_steps", "longgen_plain_steps", "longgen_hinted_steps", "longgen_tau", "longgen_spec_ms",
                "longgen_plain_ms", "longgen_width_steps", "longgen_ahead_steps")
 
@@ -427,8 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {L: [rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in args.contexts}
     batch_prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(args.batch_context)] for _ in range(args.batch)]
     outputs: dict[str, dict[str, list[int]]] = {}  # plain-step outputs per engine (compare_outputs)
-    aheads = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.plain_run_ahead]
-    specs = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.spec_run_ahead]
+    aheads, specs = SETTING_VALUES[args.plain_run_ahead], SETTING_VALUES[args.spec_run_ahead]
     runs = ([] if args.skip_plain else [(None, None, None)]) + [
         (a, ahead, spec) for a in args.algorithms for ahead in aheads for spec in specs]
 
@@ -446,19 +447,17 @@ def main(argv: list[str] | None = None) -> int:
         name = ((algorithm or "plain") + ("+ahead" if ahead and args.plain_run_ahead == "both" else "")
                 + ("+spec" if spec and args.spec_run_ahead == "both" else ""))
         print(f"{name}:", flush=True)
-        if algorithm is not None:
-            os.environ[env.name("ADAPTIVE")] = "1"
-        if ahead is not None:
-            os.environ[env.name("PLAIN_RUN_AHEAD")] = str(int(ahead))
-        if spec is not None:
-            os.environ[env.name("SPEC_RUN_AHEAD")] = str(int(spec))
+        settings = {"ADAPTIVE": True if algorithm is not None else None, "PLAIN_RUN_AHEAD": ahead,
+                    "SPEC_RUN_AHEAD": spec}  # the worker reads them at startup
+        for key, value in settings.items():
+            if value is not None:
+                os.environ[env.name(key)] = str(int(value))
         t = time.time()
         try:
             eng = engine(model, algorithm, draft, args)
         finally:
-            os.environ.pop(env.name("ADAPTIVE"), None)
-            os.environ.pop(env.name("PLAIN_RUN_AHEAD"), None)
-            os.environ.pop(env.name("SPEC_RUN_AHEAD"), None)
+            for key in settings:
+                os.environ.pop(env.name(key), None)
         start = round(time.time() - t, 1)
         try:
             report[name] = {"engine_start_s": start, **measure(eng, algorithm is not None, args, prompts, batch_prompts)}

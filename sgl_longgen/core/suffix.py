@@ -447,20 +447,20 @@ class SuffixCache:
         does this while the device runs the prefill, not at the first step with the device
         waiting (a 32K prompt takes milliseconds). The index is the one ``start_request`` would
         build: an index grows by appending, in any pieces."""
+        self._prepared.put(rid, self._grown(rid, tokens), len(tokens))
+
+    def start_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
+        self._local[rid] = self._grown(rid, prompt)
+        if self._global is not None:
+            self._outputs[rid] = []
+
+    def _grown(self, rid: Hashable, tokens: Sequence[int]) -> SuffixIndex:
+        """An index of ``tokens``: the one prepared for the request grown by the rest, or a new one."""
         index, n = self._prepared.take(rid, len(tokens))
         if index is None:
             index = SuffixIndex.for_config(self.config)
         index.extend(tokens[n:])
-        self._prepared.put(rid, index, len(tokens))
-
-    def start_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
-        index, n = self._prepared.take(rid, len(prompt))
-        if index is None:
-            index = SuffixIndex.for_config(self.config)
-        index.extend(prompt[n:])
-        self._local[rid] = index
-        if self._global is not None:
-            self._outputs[rid] = []
+        return index
 
     def extend(self, rid: Hashable, tokens: Sequence[int]) -> None:
         self._local[rid].extend(tokens)

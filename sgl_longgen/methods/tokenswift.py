@@ -39,6 +39,7 @@ class TokenSwiftState:
     policy: PartialKVPolicy
     suffix: SuffixIndex | None = None
     indexed: int = 0  # history tokens in the suffix index
+    drafted: int = -1  # the history length the continuation was drafted at
     continuation: list[int] = field(default_factory=list)  # the history's draft for this step
     continuation_score: float = 0.0  # its expected accepted tokens (the suffix draft's score)
     slots: Any = None
@@ -135,6 +136,15 @@ class TokenSwift:
         Upstream never indexes n-grams inside the contextual penalty's window: its tokens are
         penalized and rarely verify.
         """
+        self._extend(state, history, sampling)
+        if state.suffix is not None and state.drafted != len(history):
+            # The request's own history: its draft reads as history, a loop drafts the whole budget.
+            draft = state.suffix.draft(history, self.suffix, own=True)
+            state.continuation, state.continuation_score = draft.tokens, draft.score
+            state.drafted = len(history)
+
+    def _extend(self, state: TokenSwiftState, history: Sequence[int], sampling: SamplingConfig) -> None:
+        """The n-gram pool and suffix index grown to ``history``."""
         if state.pool is not None:
             ng = self.config.ngram
             exclude = sampling.penalty_window if (ng.exclude_penalty_window and sampling.penalty_active) else 0
@@ -142,9 +152,6 @@ class TokenSwift:
         if state.suffix is not None and state.indexed != len(history):
             state.suffix.extend(history[state.indexed :])
             state.indexed = len(history)
-            # The request's own history: its draft reads as history, a loop drafts the whole budget.
-            draft = state.suffix.draft(history, self.suffix, own=True)
-            state.continuation, state.continuation_score = draft.tokens, draft.score
 
     def prepare(self, state: TokenSwiftState | None, history: Sequence[int],
                 sampling: SamplingConfig) -> TokenSwiftState:
@@ -157,7 +164,7 @@ class TokenSwift:
         """
         if state is None:
             state = self.start(len(history))
-        self.index(state, history, sampling)
+        self._extend(state, history, sampling)  # the continuation: the first step's, of its own history
         return state
 
     def history_hint(self, state: TokenSwiftState, history: Sequence[int], sampling: SamplingConfig) -> float | None:

@@ -352,9 +352,9 @@ class AdaptiveSteps:
             return None if ema is None or ema.value is None else round(ema.value * 1e3, 3)
 
         expected = st.controller.expected() if st.controller is not None else None
-        widths = {"longgen_width_steps": dict(st.width_steps)} if set(st.width_steps) - {"full"} else {}
+        extra = {"longgen_width_steps": dict(st.width_steps)} if set(st.width_steps) - {"full"} else {}
         if st.ahead_steps:
-            widths["longgen_ahead_steps"] = st.ahead_steps
+            extra["longgen_ahead_steps"] = st.ahead_steps
         return {
             "longgen_spec_steps": st.spec_steps,
             "longgen_plain_steps": st.plain_steps,
@@ -363,5 +363,5 @@ class AdaptiveSteps:
             "longgen_expected_tokens": None if expected is None else round(expected, 3),
             "longgen_spec_ms": ms(costs.spec if costs else None),
             "longgen_plain_ms": ms(costs.plain if costs else None),
-            **widths,
+            **extra,
         }

@@ -109,6 +109,19 @@ class StreamSlot(QueuedSlot):
         self.enabled = where_streams(key, device, default) if enabled is None else enabled
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.enabled else None
 
+    def run(self, work):
+        """``work()`` now, behind everything queued on the current stream: on this slot's stream,
+        with an event recorded after it, where the device has one; else in place (event None).
+        Returns (``work()``'s result, the event)."""
+        if self.stream is None:
+            return work(), None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = work()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out, done
+
 
 class DraftPipeline(QueuedSlot):
     def __init__(self, device: torch.device):

@@ -79,14 +79,5 @@ class RunAhead(StreamSlot):
             if g is not None and id(g) not in seen:
                 seen.add(id(g))
                 states.append((g, g.get_state()))
-        if self.stream is None:
-            launched, token, hidden = forward()
-            self.queued = QueuedPlain(key, launched, token, hidden, states, None)
-            return
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            launched, token, hidden = forward()
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        (launched, token, hidden), done = self.run(forward)
         self.queued = QueuedPlain(key, launched, token, hidden, states, done)

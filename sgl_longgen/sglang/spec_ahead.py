@@ -85,13 +85,5 @@ class SpecAhead(StreamSlot):
         """Queue ``step()`` -> (drafts, launched) for the call with ``key``, behind everything
         queued so far (on the run-ahead stream on a GPU)."""
         self.drop()
-        if self.stream is None:
-            drafts, launched = step()
-            self.queued = QueuedSpec(key, width, drafts, launched, None)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            drafts, launched = step()
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        (drafts, launched), done = self.run(step)
         self.queued = QueuedSpec(key, width, drafts, launched, done)

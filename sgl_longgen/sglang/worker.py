@@ -281,7 +281,7 @@ class SpecWorker(BaseSpecWorker):
             self._run_cap = 1
         # This step's draft and verify, if the last call queued them (see .spec_ahead).
         queued = self.spec_ahead.take_at(batch_key(steps), self.adaptive.width) if speculate else None
-        if queued is None:
+        if not speculate:
             self.spec_ahead.drop()
         if not speculate and (run > 1 or (run == 1 and self.run_ahead.queued is not None)):
             return self._plain_run(batch, steps, run, on_publish)
