@@ -66,15 +66,34 @@ PROMPTS = [
 BUDGETS = (1, 2, 7, 1023)  # max_new_tokens that end inside, at and right after a multi-token step
 
 
-def check_budgets(plain_engine, engine) -> None:
-    """Exactly ``max_new_tokens`` tokens come back, whatever a step accepted past the budget."""
+def check_budgets(plain_engine, engine, **extra) -> None:
+    """Exactly ``max_new_tokens`` tokens come back, whatever a step accepted past the budget
+    (``extra``: more sampling params of ``engine``'s requests, ``custom_params`` say)."""
     for n in BUDGETS:
         want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n))
-        got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(n))
+        got = engine.generate(input_ids=PROMPTS, sampling_params=greedy(n, **extra))
         for w, g in zip(want, got):
             assert len(g["output_ids"]) == len(w["output_ids"]) == n
             assert g["output_ids"] == w["output_ids"]
             assert g["meta_info"]["completion_tokens"] == n
+
+
+def spec_engine_with(**settings: str):
+    """A module fixture's body: a TOKENSWIFT engine whose worker starts with these
+    ``SGLANG_LONGGEN_*`` settings (yielded, then stopped)."""
+    import sglang as sgl
+
+    with worker_settings(**settings):
+        engine = sgl.Engine(**spec_args())
+    yield engine
+    stop(engine)
+
+
+def last(meta: dict, key: str):
+    """A request's final running value of a per-step report series (None: it never had one, as
+    ``longgen_tau`` of a request that took no speculative step)."""
+    values = [v for v in meta[key] if v is not None]
+    return values[-1] if values else None
 
 
 def check_same_draws(without, with_, custom_params: dict) -> None:

@@ -10,10 +10,19 @@ from __future__ import annotations
 import math
 
 import pytest
+from sglang_harness import (
+    PROMPTS,
+    check_budgets,
+    greedy,
+    heads_with,
+    last,
+    spec_args,
+    spec_engine_with,
+    stop,
+)
 
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
 from sgl_longgen.sglang.worker import PLAIN_RUN
-from sglang_harness import PROMPTS, check_budgets, greedy, heads_with, spec_args, stop, worker_settings
 
 NEW_TOKENS = 96
 REPORT = {"longgen_report": True}
@@ -21,19 +30,7 @@ REPORT = {"longgen_report": True}
 
 @pytest.fixture(scope="module")
 def adaptive_engine():
-    import sglang as sgl
-
-    with worker_settings(ADAPTIVE="1"):
-        engine = sgl.Engine(**spec_args())
-    yield engine
-    stop(engine)
-
-
-def last(meta: dict, key: str):
-    """The request's final running value of a per-step report series (None: it never had one,
-    as ``longgen_tau`` of a request that took no speculative step)."""
-    values = [v for v in meta[key] if v is not None]
-    return values[-1] if values else None
+    yield from spec_engine_with(ADAPTIVE="1")
 
 
 def steps_of(meta: dict) -> tuple[int, int]:

@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_harness import (
-    PROMPTS,
-    check_same_draws,
-    greedy,
-    spec_args,
-    stop,
-    worker_settings,
-)
+from sglang_harness import PROMPTS, check_same_draws, greedy, spec_engine_with
 
 from sgl_longgen.sglang.run_ahead import RUN_AHEAD_ENV, RunAhead, run_ahead_enabled
 
@@ -27,12 +20,7 @@ OFF = {"longgen_speculation": "off"}
 
 @pytest.fixture(scope="module")
 def ahead_engine():
-    import sglang as sgl
-
-    with worker_settings(PLAIN_RUN_AHEAD="1"):
-        engine = sgl.Engine(**spec_args())
-    yield engine
-    stop(engine)
+    yield from spec_engine_with(PLAIN_RUN_AHEAD="1")
 
 
 def series(meta: dict, key: str) -> list[float]:

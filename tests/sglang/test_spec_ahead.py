@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang_harness import (
-    BUDGETS,
     PROMPTS,
+    check_budgets,
     check_same_draws,
     greedy,
-    spec_args,
-    stop,
-    worker_settings,
+    last,
+    spec_engine_with,
 )
 
 from sgl_longgen.sglang.spec_ahead import (
@@ -32,17 +31,7 @@ ON = {"longgen_speculation": "on"}
 
 @pytest.fixture(scope="module")
 def ahead_engine():
-    import sglang as sgl
-
-    with worker_settings(SPEC_RUN_AHEAD="1"):
-        engine = sgl.Engine(**spec_args())
-    yield engine
-    stop(engine)
-
-
-def last_report(meta: dict, key: str):
-    values = [v for v in meta.get(key, []) if v is not None] if isinstance(meta.get(key), list) else [meta.get(key)]
-    return values[-1] if values else None
+    yield from spec_engine_with(SPEC_RUN_AHEAD="1")
 
 
 def test_speculative_steps_take_the_step_the_last_call_queued(plain_engine, ahead_engine):
@@ -53,19 +42,15 @@ def test_speculative_steps_take_the_step_the_last_call_queued(plain_engine, ahea
     for w, g in zip(want, got):
         assert g["output_ids"] == w["output_ids"]
         meta = g["meta_info"]
-        spec = last_report(meta, "longgen_spec_steps")
-        ahead = last_report(meta, "longgen_ahead_steps")
+        spec = last(meta, "longgen_spec_steps")
+        ahead = last(meta, "longgen_ahead_steps")
         # Every step but the first (nothing queued it) and those after a step that could end a
         # request (its budget in reach) is the one the call before queued.
         assert spec >= 4 and ahead is not None and ahead >= spec // 2, (spec, ahead)
 
 
-@pytest.mark.parametrize("n", BUDGETS)
-def test_token_budgets(plain_engine, ahead_engine, n):
-    want = plain_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n))
-    got = ahead_engine.generate(input_ids=PROMPTS, sampling_params=greedy(n, custom_params=ON))
-    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
-    assert all(len(g["output_ids"]) == n for g in got)
+def test_token_budgets(plain_engine, ahead_engine):
+    check_budgets(plain_engine, ahead_engine, custom_params=ON)
 
 
 def test_sampled_draws_are_the_ones_made_without_it(spec_engine, ahead_engine):
@@ -105,14 +90,12 @@ def test_a_queued_step_is_taken_once_only_by_its_batch_at_its_width():
 
 
 def test_opt_in_and_then_on_either_device(monkeypatch):
+    """Off unless asked for, on GPUs and CPUs alike."""
     monkeypatch.delenv(SPEC_RUN_AHEAD_ENV, raising=False)
     assert not spec_ahead_enabled(torch.device("cuda")) and not spec_ahead_enabled(torch.device("cpu"))
-    monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, "1")
-    assert spec_ahead_enabled(torch.device("cuda"))
-    monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, "0")
-    assert not spec_ahead_enabled(torch.device("cuda"))
-    monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, "1")
-    assert spec_ahead_enabled(torch.device("cpu"))
+    for value, on in (("1", True), ("0", False)):
+        monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, value)
+        assert spec_ahead_enabled(torch.device("cuda")) is on and spec_ahead_enabled(torch.device("cpu")) is on
     monkeypatch.setenv(SPEC_RUN_AHEAD_ENV, "sometimes")
     with pytest.raises(ValueError, match=SPEC_RUN_AHEAD_ENV):
         spec_ahead_enabled(torch.device("cpu"))
