@@ -56,10 +56,6 @@ class Owl:
         """
         return OwlState(h_last, h_spec)
 
-    def prepare(self, rid: Hashable, history: Sequence[int]) -> None:
-        """A prefill committed ``history`` of the request so far: index what its :meth:`start`
-        will need, while the runtime's device runs that prefill (OWL itself indexes nothing)."""
-
     def finish(self, rid: Hashable) -> None:
         """The request left (finished or aborted)."""
 
@@ -162,7 +158,9 @@ class Howl(Owl):
         # route of the same step share one walk of the index.
         self._scored: dict[Hashable, tuple[int, int | None, SuffixDraft]] = {}
 
-    def prepare(self, rid, history) -> None:
+    def prepare(self, rid: Hashable, history: Sequence[int]) -> None:
+        """A prefill committed ``history`` of the request so far: index it for :meth:`start`,
+        while the runtime's device runs that prefill (OWL's trees index nothing)."""
         self.suffix.prepare(rid, history)
 
     def start(self, rid, history, h_last, h_spec=None) -> OwlState:

@@ -126,9 +126,6 @@ class OwlDrafter(Drafter):
         for b, req in enumerate(batch.reqs):
             self.prefill_states[req.rid] = hidden[b].detach().clone()
 
-    def prepare(self, rid: str, history, sampling) -> None:
-        self.method.prepare(rid, history)
-
     def start(self, step: StepRequest):
         # A missing state (a request we never saw prefilled) costs root-only steps until its first commit.
         return self.method.start(step.rid, step.history, self.prefill_states.pop(step.rid, None))
@@ -242,6 +239,9 @@ class HowlDrafter(OwlDrafter):
 
     def _method(self, defaults, beam) -> Howl:
         return Howl(defaults.owl, beam, SPEC_INPUT_ID, defaults.suffix, defaults.howl)
+
+    def prepare(self, rid: str, history, sampling) -> None:
+        self.method.prepare(rid, history)
 
     def hint(self, step: StepRequest) -> float | None:
         return self.method.history_hint(step.state.method, step.rid, step.history, self.env.num_nodes - 1)

@@ -164,6 +164,8 @@ class SpecWorker(BaseSpecWorker):
         self._run_cap = PLAIN_RUN  # the longest plain run the next plain call may queue (see PLAIN_RUN)
         self.run_ahead = RunAhead(self.device)  # the next plain call's first forward (see .run_ahead)
         self.spec_ahead = SpecAhead(self.device)  # the next speculative step's draft and verify (.spec_ahead)
+        # The drafter builds something during prefills (else no prompt is copied out for it).
+        self._prepares = type(self.drafter).prepare is not Drafter.prepare
 
     # -- SGLang's worker contract -----------------------------------------------------------------
 
@@ -256,7 +258,7 @@ class SpecWorker(BaseSpecWorker):
         request's first step needs from the tokens committed so far (:meth:`Drafter.prepare`).
         Where it raises, the request's first step builds it instead."""
         lens = batch.seq_lens_cpu
-        if lens is None:  # reading the lengths off the device would wait for the prefill
+        if lens is None or not self._prepares:  # reading the lengths off the device would wait for the prefill
             return
         for req, n in zip(batch.reqs, lens.tolist()):
             try:
