@@ -61,11 +61,15 @@ of past steps see a loop that starts in the middle of a plain stretch only at th
 which may be many plain steps away; a hint sees it at once. So :meth:`AdaptiveController.decide`
 takes the hint as a second estimate: a step speculates when either its statistics or
 ``1 + scale * hint`` tokens pay for it. ``scale`` calibrates the method's scores: the ratio of
-the draft tokens accepted to the hints given over the speculative steps that had one, both
-decayed, each with one token of prior (``(accepted + 1) / (hinted + 1)``: 1 until there are any),
-so a method whose scores promise more than its steps deliver soon needs a far higher score to be
-believed, and one bad hint (a score taken just before the text really loops) neither silences
-the later ones nor outlives its decay. A hint costs host time (a walk of the suffix index), so it is
+the draft tokens accepted to the hints given over the speculative steps that had a hint of about
+the same size (one bucket per power of two, :func:`hint_bucket`), both decayed, each with one
+token of prior (``(accepted + 1) / (hinted + 1)``: 1 until there are any), so a method whose
+scores promise more than its steps deliver soon needs a far higher score to be believed, and one
+bad hint (a score taken just before the text really loops) neither silences the later ones nor
+outlives its decay. Per size, because a method's short scores (chance matches in fresh text) and
+its long ones (a loop the history repeats) are not equally reliable: with one scale for all, the
+many short hints that a noisy stretch disappoints would discount the first long one of a loop
+until it could not pay. A hint costs host time (a walk of the suffix index), so it is
 asked for only where it can change the step (plain steps win) and at most every so many plain
 steps that hints take :data:`HINT_SHARE` of the plain time (:meth:`AdaptiveController.hint_due`,
 with the runtime's measured seconds per hint). Lossless for the same reason: a hint is a
@@ -109,6 +113,14 @@ SPECULATE, PLAIN = "speculate", "plain"
 HINT_SHARE = 0.02
 # Tokens of prior in a hint's calibration (accepted / hinted).
 HINT_PRIOR = 1.0
+# Calibration buckets of hints by size: (0, 1], (1, 2], (2, 4], ..., the last one open.
+HINT_BUCKETS = 7
+
+
+def hint_bucket(hint: float) -> int:
+    """The calibration bucket of a hint (``hint > 0``): ``b`` holds ``(2^(b-1), 2^b]``, 0 holds
+    ``(0, 1]``, the last bucket everything above."""
+    return min(HINT_BUCKETS - 1, max(0, math.ceil(math.log2(hint))))
 
 
 class DecayedMean:
@@ -253,8 +265,9 @@ class CostTable:
 class Evidence:
     """What speculative steps committed, decayed: tokens per step (per draft width too, where
     widths are configured) and the method hints' calibration (draft tokens accepted and hinted
-    over the steps that had a hint). A request's controller keeps one, decayed per step of
-    either kind; a :class:`WorkloadPrior` keeps one over its requests' speculative steps."""
+    over the steps that had a hint, per :func:`hint_bucket`). A request's controller keeps one,
+    decayed per step of either kind; a :class:`WorkloadPrior` keeps one over its requests'
+    speculative steps."""
 
     __slots__ = ("at_width", "committed", "hint_accepted", "hint_given")
 
@@ -262,19 +275,26 @@ class Evidence:
         self.committed = DecayedMean(decay)  # tokens per speculative step (the bonus included)
         self.at_width: dict[int | None, DecayedMean] = (
             {w: DecayedMean(decay) for w in [*widths, None]} if widths else {})
-        self.hint_accepted = DecayedMean(decay)
-        self.hint_given = DecayedMean(decay)
+        self.hint_accepted = [DecayedMean(decay) for _ in range(HINT_BUCKETS)]
+        self.hint_given = [DecayedMean(decay) for _ in range(HINT_BUCKETS)]
 
     def tick(self) -> None:
-        for mean in (self.committed, self.hint_accepted, self.hint_given, *self.at_width.values()):
+        for mean in (self.committed, *self.hint_accepted, *self.hint_given, *self.at_width.values()):
             mean.tick()
 
     def record(self, committed: int, hint: float | None) -> None:
         """A speculative step committed ``committed`` tokens, decided with the method's ``hint``."""
         self.committed.add(committed)
         if hint is not None and hint > 0:
-            self.hint_accepted.add(max(0, committed - 1))
-            self.hint_given.add(hint)
+            b = hint_bucket(hint)
+            self.hint_accepted[b].add(max(0, committed - 1))
+            self.hint_given[b].add(hint)
+
+    def hint_scale(self, hint: float) -> float:
+        """Draft tokens accepted per hinted token over the steps whose hint was of ``hint``'s
+        size, with :data:`HINT_PRIOR` tokens of prior on both sides (1: none yet)."""
+        b = hint_bucket(hint) if hint > 0 else 0
+        return (self.hint_accepted[b].total + HINT_PRIOR) / (self.hint_given[b].total + HINT_PRIOR)
 
     def record_width(self, width: int | None, committed: int) -> None:
         """What a step at ``width`` committed (or would have: a wider step's counterfactual)."""
@@ -396,19 +416,18 @@ class AdaptiveController:
         """Tokens a speculative step is expected to commit (None: no evidence yet)."""
         return self.committed.value
 
-    def hint_scale(self) -> float:
-        """Draft tokens accepted per hinted token over the past steps that had a hint, with one
-        token of prior on both sides (1: none yet). With a workload prior, the workload's: its
-        hinted steps decay per speculative step only, so what the workload's hints delivered is not
-        forgotten over a request's plain stretch (where this request's own evidence fades within
-        tens of steps and a score that keeps failing would be believed again): the workload's
-        calibration, which holds this request's hinted steps too, is the one read."""
-        evidence = self.prior if self.prior is not None else self.own
-        return (evidence.hint_accepted.total + HINT_PRIOR) / (evidence.hint_given.total + HINT_PRIOR)
+    def hint_scale(self, hint: float) -> float:
+        """The calibration of a hint of ``hint``'s size (:meth:`Evidence.hint_scale`). With a
+        workload prior, the workload's: its hinted steps decay per speculative step only, so what
+        the workload's hints delivered is not forgotten over a request's plain stretch (where this
+        request's own evidence fades within tens of steps and a score that keeps failing would be
+        believed again): the workload's calibration, which holds this request's hinted steps too,
+        is the one read."""
+        return (self.prior if self.prior is not None else self.own).hint_scale(hint)
 
     def expected_from_hint(self, hint: float | None) -> float | None:
         """Tokens a speculative step is expected to commit by the method's ``hint`` (None: no hint)."""
-        return None if hint is None else 1.0 + self.hint_scale() * max(0.0, hint)
+        return None if hint is None else 1.0 + self.hint_scale(hint) * max(0.0, hint)
 
     def estimate(self, hint: float | None = None, width: int | None = None) -> float | None:
         """The larger of the two estimates of a speculative step's tokens at ``width``: its

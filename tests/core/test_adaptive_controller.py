@@ -253,7 +253,7 @@ def test_a_hint_that_pays_makes_the_step_speculative_and_one_that_does_not_leave
     assert ctrl.decide(hint=None) == PLAIN
     assert ctrl.decide(hint=1.0) == SPECULATE and ctrl.hinted and not ctrl.probing  # 2 tokens: a tie pays
     ctrl.record_spec(6, 2.0, hint=1.0)  # the hint undersold: 5 drafts accepted for 1 hinted
-    assert ctrl.hinted_steps == 1 and ctrl.hint_scale() == pytest.approx((5 + 1) / (1 + 1))
+    assert ctrl.hinted_steps == 1 and ctrl.hint_scale(1.0) == pytest.approx((5 + 1) / (1 + 1))
     assert ctrl.decide() == SPECULATE  # the statistics now pay without a hint
 
 
@@ -261,7 +261,7 @@ def test_hints_that_overpromise_are_discounted():
     ctrl = losing_controller()
     assert ctrl.decide(hint=4.0) == SPECULATE
     ctrl.record_spec(1, 2.0, hint=4.0)  # nothing accepted
-    assert ctrl.hint_scale() == pytest.approx(1 / 5)
+    assert ctrl.hint_scale(4.0) == pytest.approx(1 / 5)
     assert ctrl.decide(hint=4.0) == PLAIN  # 1 + 0.8 tokens do not pay for 2.0 s
     assert ctrl.decide(hint=40.0) == SPECULATE  # a loop's score still does
     ctrl.record_spec(1, 2.0, hint=40.0)  # and disappoints too
@@ -270,9 +270,37 @@ def test_hints_that_overpromise_are_discounted():
     while ctrl.decide(hint=0.5) != SPECULATE:  # 1.5 tokens never pay for 2.0 s
         ctrl.record_plain(PLAIN_COST)
     assert ctrl.probing and not ctrl.hinted
-    before = ctrl.hint_scale()
+    before = ctrl.hint_scale(0.5)
     ctrl.record_spec(3, 2.0, hint=0.5)
-    assert before < ctrl.hint_scale()
+    assert before < ctrl.hint_scale(0.5)
+
+
+
+def test_hints_are_calibrated_per_size_so_failed_chance_matches_do_not_silence_a_loop():
+    """A workload's noisy requests gave many short hints that nothing followed; a new request whose
+    history loops gives a long one. Its size has no failures yet, so it is believed and the step
+    speculates; a short hint stays discounted. One scale for all sizes would have read the short
+    hints' ~1/16 into the long one: 1 + 60 / 16 < 5 tokens, not enough at five plain steps' cost."""
+    from sgl_longgen.core.adaptive import hint_bucket
+
+    assert [hint_bucket(h) for h in (0.01, 1.0, 1.5, 2.0, 3.0, 60.0, 1e6)] == [0, 0, 1, 1, 2, 6, 6]
+    cfg = AdaptiveConfig(probe_every=4, probe_growth=4.0, probe_max=256, refresh_every=0)
+    costs = StepCosts()
+    costs.spec.add(5 * PLAIN_COST)
+    costs.plain.add(PLAIN_COST)
+    prior = WorkloadPrior(cfg.decay)
+    for _ in range(3):  # noisy requests: each short hint's step accepts nothing
+        noisy = AdaptiveController(cfg, costs, prior)
+        for _ in range(20):
+            noisy.decide(costs, hint=1.5)
+            noisy.record_spec(1, probe=False, costs=costs, hint=1.5)
+    pooled = 1 + 60.0 * (0 + 1) / (sum(g.total for g in prior.hint_given) + 1)
+    assert pooled < 5  # what one scale for every size would have expected of the loop's hint
+    looping = AdaptiveController(cfg, costs, prior)
+    assert looping.decide(costs, hint=1.5) == PLAIN  # a short hint: that size keeps failing
+    assert looping.decide(costs, hint=60.0) == SPECULATE and looping.hinted
+    looping.record_spec(40, probe=False, costs=costs, hint=60.0)
+    assert looping.hint_scale(60.0) > 0.5 and looping.hint_scale(1.5) < 0.1
 
 
 def test_a_hint_is_asked_for_only_where_it_can_change_the_step_and_at_a_bounded_cost():
@@ -322,7 +350,7 @@ def test_a_workload_prior_replaces_the_warm_up_and_carries_what_earlier_requests
 
     second = AdaptiveController(cfg, costs, prior)
     assert second.warmup == 0 and second.expected() == pytest.approx(1.0)
-    assert second.interval == first.interval and second.hint_scale() < 1.0  # the hint overpromised for `first`
+    assert second.interval == first.interval and second.hint_scale(3.0) < 1.0  # the hint overpromised for `first`
     kinds = [second.decide(costs) for _ in range(1)]
     assert kinds == [PLAIN]  # no blind warm-up where the workload's drafts do not pay
     for _ in range(3):
