@@ -46,6 +46,10 @@ requests instead (sampled, sent together): where a batch's decode time goes besi
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms TOKENSWIFT
     python -m sgl_longgen.bench.adaptive_check --out adaptive.json --algorithms OWL HOWL --skip-plain
 
+``--resume``: the engines already in ``--out`` are not run again, so a run longer than one sitting
+(a device call's time limit, say) is the same command repeated until it says that nothing is left
+(each engine's figures are written as soon as it is measured).
+
 ``--plain-run-ahead on|off|both``: each method's engine with ``SGLANG_LONGGEN_PLAIN_RUN_AHEAD`` set
 (:mod:`sgl_longgen.sglang.run_ahead`); ``both`` runs it twice, the second as ``<METHOD>+ahead``.
 Every engine also generates ``2N`` tokens at the first context by plain steps only (a method's
@@ -276,6 +280,19 @@ def rotated(names: list[str], r: int) -> list[str]:
     return names[r:] + names[:r]
 
 
+def engine_runs(args, report: dict) -> list[tuple[str, str | None, bool | None, bool | None]]:
+    """The engines to run, in order: (name in the report, algorithm (None: plain decoding), plain
+    run-ahead, spec run-ahead settings (None: the worker's default)); with ``--resume`` those
+    already in ``report`` left out."""
+    aheads, specs = SETTING_VALUES[args.plain_run_ahead], SETTING_VALUES[args.spec_run_ahead]
+    runs = ([] if args.skip_plain else [(None, None, None)]) + [
+        (a, ahead, spec) for a in args.algorithms for ahead in aheads for spec in specs]
+    named = [((algorithm or "plain") + ("+ahead" if ahead and args.plain_run_ahead == "both" else "")
+              + ("+spec" if spec and args.spec_run_ahead == "both" else ""), algorithm, ahead, spec)
+             for algorithm, ahead, spec in runs]
+    return [run for run in named if not (args.resume and run[0] in report)]
+
+
 def measure(eng, spec: bool, args, prompts: dict[int, list[int]], batch_prompts: list[list[int]]) -> dict:
     custom = {"custom_params": {"longgen_report": True}} if spec else {}
     sampled = {"temperature": 1.0, "ignore_eos": True, **custom}
@@ -383,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithms", nargs="*", default=["TOKENSWIFT", "OWL", "HOWL"],
                    choices=("TOKENSWIFT", "OWL", "HOWL"))
     p.add_argument("--skip-plain", action="store_true", help="keep the plain engine's figures already in --out")
+    p.add_argument("--resume", action="store_true", help="skip the engines already in --out")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 98304])
     p.add_argument("--tokens", type=int, default=256, help="timed tokens per request")
     p.add_argument("--batch", type=int, default=4, help="concurrent requests of the batch check (0: none)")
@@ -429,14 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {L: [rng.randrange(1000, vocab - 1000) for _ in range(L)] for L in args.contexts}
     batch_prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(args.batch_context)] for _ in range(args.batch)]
     outputs: dict[str, dict[str, list[int]]] = {}  # plain-step outputs per engine (compare_outputs)
-    aheads, specs = SETTING_VALUES[args.plain_run_ahead], SETTING_VALUES[args.spec_run_ahead]
-    runs = ([] if args.skip_plain else [(None, None, None)]) + [
-        (a, ahead, spec) for a in args.algorithms for ahead in aheads for spec in specs]
+    runs = engine_runs(args, report)
+    if not runs:
+        print(f"every engine asked for is in {args.out} already", flush=True)
 
     def save() -> None:
         args.out.write_text(json.dumps(report, indent=1))
 
-    for algorithm, ahead, spec in runs:
+    for name, algorithm, ahead, spec in runs:
         draft = None
         if algorithm == "TOKENSWIFT":
             draft = heads
@@ -444,8 +462,6 @@ def main(argv: list[str] | None = None) -> int:
             draft = make_owl_drafter(root, args.owl_width, args.owl_draft_vocab)
         if draft is not None and args.widths:
             with_widths(draft, args.widths)
-        name = ((algorithm or "plain") + ("+ahead" if ahead and args.plain_run_ahead == "both" else "")
-                + ("+spec" if spec and args.spec_run_ahead == "both" else ""))
         print(f"{name}:", flush=True)
         settings = {"ADAPTIVE": True if algorithm is not None else None, "PLAIN_RUN_AHEAD": ahead,
                     "SPEC_RUN_AHEAD": spec}  # the worker reads them at startup

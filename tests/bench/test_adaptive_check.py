@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_longgen.bench.adaptive_check import compare_outputs, rotated, section_medians, timeline, with_widths
+from sgl_longgen.bench.adaptive_check import (compare_outputs, engine_runs, rotated, section_medians, timeline,
+                                              with_widths)
 
 
 def test_first_differences_against_plain_decoding_and_the_same_method_without_run_ahead():
@@ -48,3 +49,18 @@ def test_each_repeat_starts_with_another_setting():
     firsts = [rotated(names, r)[0] for r in range(4)]
     assert firsts == ["greedy", "greedy_on", "greedy_off", "greedy"]
     assert sorted(rotated(names, 2)) == sorted(names)
+
+
+def test_a_resumed_run_measures_only_the_engines_not_in_its_report():
+    from argparse import Namespace
+
+    args = Namespace(algorithms=["OWL", "HOWL"], plain_run_ahead="default", spec_run_ahead="both", skip_plain=False,
+                     resume=False)
+    names = [run[0] for run in engine_runs(args, {})]
+    assert names == ["plain", "OWL", "OWL+spec", "HOWL", "HOWL+spec"]
+    report = {"plain": {}, "OWL": {}, "plain_step_outputs": {}}  # a call that ended after OWL's engine
+    assert [run[0] for run in engine_runs(args, report)] == names  # without --resume: all again
+    args.resume = True
+    assert engine_runs(args, report) == [("OWL+spec", "OWL", None, True), ("HOWL", "HOWL", None, False),
+                                         ("HOWL+spec", "HOWL", None, True)]
+    assert engine_runs(args, {name: {} for name in names}) == []
