@@ -118,9 +118,61 @@ HINT_BUCKETS = 7
 
 
 def hint_bucket(hint: float) -> int:
-    """The calibration bucket of a hint (``hint > 0``): ``b`` holds ``(2^(b-1), 2^b]``, 0 holds
-    ``(0, 1]``, the last bucket everything above."""
-    return min(HINT_BUCKETS - 1, max(0, math.ceil(math.log2(hint))))
+    """The calibration bucket of a hint: ``b`` holds ``(2^(b-1), 2^b]``, 0 holds everything up to
+    1, the last bucket everything above."""
+    return 0 if hint <= 1.0 else min(HINT_BUCKETS - 1, math.ceil(math.log2(hint)))
+
+
+class HintCalibration:
+    """Draft tokens accepted and tokens hinted over the steps that had a hint, per
+    :func:`hint_bucket`, decayed by ``decay`` per :meth:`tick`.
+
+    Decayed lazily: a tick runs at every step of every request (plain tokens included), so it
+    only counts, and a bucket catches up on its decay when it is read or added to.
+    """
+
+    __slots__ = ("accepted", "decay", "given", "stamps", "steps")
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.steps = 0
+        self.accepted = [0.0] * HINT_BUCKETS
+        self.given = [0.0] * HINT_BUCKETS
+        self.stamps = [0] * HINT_BUCKETS  # the tick each bucket's totals are decayed to
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def _bucket(self, hint: float) -> int:
+        """``hint``'s bucket, its totals decayed to now."""
+        b = hint_bucket(hint)
+        self._catch_up(b)
+        return b
+
+    def _catch_up(self, b: int) -> None:
+        lag = self.steps - self.stamps[b]
+        if lag:
+            factor = self.decay**lag
+            self.accepted[b] *= factor
+            self.given[b] *= factor
+            self.stamps[b] = self.steps
+
+    def add(self, hint: float, accepted: int) -> None:
+        b = self._bucket(hint)
+        self.accepted[b] += accepted
+        self.given[b] += hint
+
+    def scale(self, hint: float) -> float:
+        """Draft tokens accepted per hinted token over the steps whose hint was of ``hint``'s
+        size, with :data:`HINT_PRIOR` tokens of prior on both sides (1: none yet)."""
+        b = self._bucket(hint)
+        return (self.accepted[b] + HINT_PRIOR) / (self.given[b] + HINT_PRIOR)
+
+    def given_total(self) -> float:
+        """Tokens hinted over every size together, decayed."""
+        for b in range(HINT_BUCKETS):
+            self._catch_up(b)
+        return sum(self.given)
 
 
 class DecayedMean:
@@ -269,32 +321,23 @@ class Evidence:
     decayed per step of either kind; a :class:`WorkloadPrior` keeps one over its requests'
     speculative steps."""
 
-    __slots__ = ("at_width", "committed", "hint_accepted", "hint_given")
+    __slots__ = ("at_width", "committed", "hints")
 
     def __init__(self, decay: float, widths: Sequence[int] = ()):
         self.committed = DecayedMean(decay)  # tokens per speculative step (the bonus included)
         self.at_width: dict[int | None, DecayedMean] = (
             {w: DecayedMean(decay) for w in [*widths, None]} if widths else {})
-        self.hint_accepted = [DecayedMean(decay) for _ in range(HINT_BUCKETS)]
-        self.hint_given = [DecayedMean(decay) for _ in range(HINT_BUCKETS)]
+        self.hints = HintCalibration(decay)
 
     def tick(self) -> None:
-        for mean in (self.committed, *self.hint_accepted, *self.hint_given, *self.at_width.values()):
+        for mean in (self.committed, self.hints, *self.at_width.values()):
             mean.tick()
 
     def record(self, committed: int, hint: float | None) -> None:
         """A speculative step committed ``committed`` tokens, decided with the method's ``hint``."""
         self.committed.add(committed)
         if hint is not None and hint > 0:
-            b = hint_bucket(hint)
-            self.hint_accepted[b].add(max(0, committed - 1))
-            self.hint_given[b].add(hint)
-
-    def hint_scale(self, hint: float) -> float:
-        """Draft tokens accepted per hinted token over the steps whose hint was of ``hint``'s
-        size, with :data:`HINT_PRIOR` tokens of prior on both sides (1: none yet)."""
-        b = hint_bucket(hint) if hint > 0 else 0
-        return (self.hint_accepted[b].total + HINT_PRIOR) / (self.hint_given[b].total + HINT_PRIOR)
+            self.hints.add(hint, max(0, committed - 1))
 
     def record_width(self, width: int | None, committed: int) -> None:
         """What a step at ``width`` committed (or would have: a wider step's counterfactual)."""
@@ -417,13 +460,13 @@ class AdaptiveController:
         return self.committed.value
 
     def hint_scale(self, hint: float) -> float:
-        """The calibration of a hint of ``hint``'s size (:meth:`Evidence.hint_scale`). With a
+        """The calibration of a hint of ``hint``'s size (:meth:`HintCalibration.scale`). With a
         workload prior, the workload's: its hinted steps decay per speculative step only, so what
         the workload's hints delivered is not forgotten over a request's plain stretch (where this
         request's own evidence fades within tens of steps and a score that keeps failing would be
         believed again): the workload's calibration, which holds this request's hinted steps too,
         is the one read."""
-        return (self.prior if self.prior is not None else self.own).hint_scale(hint)
+        return (self.prior if self.prior is not None else self.own).hints.scale(hint)
 
     def expected_from_hint(self, hint: float | None) -> float | None:
         """Tokens a speculative step is expected to commit by the method's ``hint`` (None: no hint)."""

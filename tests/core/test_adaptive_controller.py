@@ -294,7 +294,7 @@ def test_hints_are_calibrated_per_size_so_failed_chance_matches_do_not_silence_a
         for _ in range(20):
             noisy.decide(costs, hint=1.5)
             noisy.record_spec(1, probe=False, costs=costs, hint=1.5)
-    pooled = 1 + 60.0 * (0 + 1) / (sum(g.total for g in prior.hint_given) + 1)
+    pooled = 1 + 60.0 * (0 + 1) / (prior.hints.given_total() + 1)
     assert pooled < 5  # what one scale for every size would have expected of the loop's hint
     looping = AdaptiveController(cfg, costs, prior)
     assert looping.decide(costs, hint=1.5) == PLAIN  # a short hint: that size keeps failing
