@@ -2,7 +2,8 @@
 
 Two tables, one run, Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16):
 
-* ``attention``: one layer's attention for ``T`` draft tokens over a ``ctx``-token prefix:
+* ``attention``: one layer's attention for ``T`` draft tokens over a ``ctx``-token prefix, each path
+  replayed from a CUDA graph with L2 flushed before each replay:
   FlashInfer's tensor-core decode for one token (an AR step's attention), SGLang's TARGET_VERIFY
   path (FlashInfer FA2 prefill over prefix + tree with the custom mask), and the hybrid path with
   each prefix backend. ``err`` is ``max|hybrid - SGLang|`` on the same inputs.
@@ -95,14 +96,30 @@ def _graphed(fn: Callable[[], object]) -> Tuple[Callable[[], object], str]:
     return graph.replay, "graph"
 
 
-def _median_ms(run: Callable[[], object], reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings of ``run`` (after three untimed calls)."""
+_L2_FLUSH: Dict[str, torch.Tensor] = {}
+
+
+def _flush_l2() -> None:
+    """Overwrite a buffer larger than any Hopper L2 (50-60 MB), so the next timed call reads its
+    operands from HBM as each layer of a real step does (one layer's 4K-token cache, 16 MB, would
+    otherwise stay in L2 from one replay to the next)."""
+    buf = _L2_FLUSH.get("buf")
+    if buf is None:
+        buf = _L2_FLUSH["buf"] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    buf.zero_()
+
+
+def _median_ms(run: Callable[[], object], reps: int, flush_l2: bool = False) -> float:
+    """Median of ``reps`` CUDA-event timings of ``run`` (after three untimed calls); with
+    ``flush_l2``, L2 is overwritten before each timed call, outside the events."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if flush_l2:
+            _flush_l2()
         a.record()
         run()
         b.record()
@@ -111,14 +128,14 @@ def _median_ms(run: Callable[[], object], reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def time_graph_us(fn: Callable[[], object], reps: int = 50) -> Tuple[float, str]:
+def time_graph_us(fn: Callable[[], object], reps: int = 50, flush_l2: bool = False) -> Tuple[float, str]:
     """Median replay time in microseconds of ``fn`` captured in a CUDA graph (what a captured
     verify pays: the GPU's time without host launch gaps), and "graph"; where capture fails,
     :func:`time_us` of the eager calls and "eager"."""
     run, mode = _graphed(fn)
     if mode == "eager":
         return time_us(fn), mode
-    return _median_ms(run, reps) * 1e3, mode
+    return _median_ms(run, reps, flush_l2) * 1e3, mode
 
 
 def full_verify_mask(prefix_len: int, tree: torch.Tensor) -> torch.Tensor:
@@ -262,20 +279,34 @@ TUNE_CONFIGS = [  # (block_m, block_n, num_warps, num_stages); num_splits from t
 
 
 def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> None:
+    """Each path timed as the engine runs it, replayed from a CUDA graph with L2 flushed before
+    each replay: eager timings of a hybrid call (plan buffers, prefix pass, tree part, merge) are
+    the host's launch gaps at short contexts, not the kernels. ``modes`` says where a capture
+    failed and the eager time stands instead."""
     g = torch.Generator().manual_seed(0)
+    modes: Dict[str, str] = {}
+
+    def timed(name: str, fn: Callable[[], object]) -> float:
+        us, modes[name] = time_graph_us(fn, flush_l2=True)
+        return us
+
     workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
     max_n = max(contexts) + max(trees)
     k_pool = torch.randn(max_n, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     v_pool = torch.randn_like(k_pool)
     for ctx in contexts:
         q1 = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-        t_ar = time_us(lambda: FlashInferDecodeCache.get(workspace, ctx, device)(q1, k_pool, v_pool))
+        decode = FlashInferDecodeCache.get(workspace, ctx, device)
+        t_ar = timed("ar", lambda: decode(q1, k_pool, v_pool))
+        ar_mode = modes["ar"]
         for T in trees:
+            modes.clear()
+            modes["ar"] = ar_mode
             q = torch.randn(T, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
             tree = random_tree_mask(1, T, generator=g)[0].to(device)
             sglang = FlashInferVerify(workspace, ctx, tree, device)
             ref = sglang(q, k_pool, v_pool).float()
-            row = dict(table="attention", ctx=ctx, T=T, ar_us=t_ar, sglang_us=time_us(lambda: sglang(q, k_pool, v_pool)))
+            row = dict(table="attention", ctx=ctx, T=T, ar_us=t_ar, sglang_us=timed("sglang", lambda: sglang(q, k_pool, v_pool)))
             backends = ["triton"]
             if fold_supported(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, T, DTYPE, DTYPE, torch.device(device)):
                 backends.append("flashinfer_fold")
@@ -284,19 +315,20 @@ def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> No
                 # FA3's own decode step (SGLang's default on Hopper), next to FlashInfer's.
                 fa3_ar = Fa3Prefix(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, device)
                 fa3_ar.plan(_i32([0, ctx], device), torch.arange(ctx, dtype=torch.int32, device=device), 1)
-                row["fa3_decode_us"] = time_us(lambda: fa3_ar.run(q1, k_pool, v_pool, HEAD_DIM**-0.5))
+                row["fa3_decode_us"] = timed("fa3_decode", lambda: fa3_ar.run(q1, k_pool, v_pool, HEAD_DIM**-0.5))
             for backend in backends:
                 hyb = Hybrid(ctx, tree, device, backend)
                 err = (hyb(q, k_pool, v_pool).float() - ref).abs().max().item()
-                row[f"{backend}_us"] = time_us(lambda: hyb(q, k_pool, v_pool))
+                row[f"{backend}_us"] = timed(backend, lambda: hyb(q, k_pool, v_pool))
                 row[f"{backend}_err"] = err
                 if backend == "triton":
                     row["triton_config"] = dataclasses.asdict(hyb.attn.prefix_config)
                 if backend in SCORE_PATHS:
                     scored = Hybrid(ctx, tree, device, backend, score_rows=2)
-                    row[f"{backend}_scores_us"] = time_us(lambda: scored(q, k_pool, v_pool))
+                    row[f"{backend}_scores_us"] = timed(f"{backend}_scores", lambda: scored(q, k_pool, v_pool))
             auto = Hybrid(ctx, tree, device, "auto")
             row["auto_path"] = auto.path
+            row["modes"] = dict(modes)
             if tune:
                 row["tune"] = tune_prefix(ctx, tree, q, k_pool, v_pool, ref, device)
             rows.append(row)
@@ -349,7 +381,8 @@ def print_attention_row(r, flush=False) -> None:
     print(
         f"ctx {r['ctx']:6d} T {r['T']:3d} | AR {ar:6.1f} us | SGLang {r['sglang_us']:7.1f} ({r['sglang_us'] / ar:4.2f}x) | "
         f"triton {r['triton_us']:7.1f} ({r['triton_us'] / ar:4.2f}x) err {r['triton_err']:.1e} | fold {fold}{fa3}"
-        f" | auto={r['auto_path']}",
+        f" | auto={r['auto_path']}"
+        + "".join(f" | {name} eager" for name, mode in r.get("modes", {}).items() if mode != "graph"),
         flush=flush,
     )
 
