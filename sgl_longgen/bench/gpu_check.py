@@ -693,12 +693,17 @@ def phase_owl(args, report: dict) -> None:
 def phase_longspec(args, report: dict) -> None:
     r = longspec_drafter_ms(args.contexts, args.longspec_batch, draft_vocab=args.longspec_draft_vocab,
                             profile_dir=args.profile, weights=tuple(args.drafter_weights))
+    missing = [L for L in args.contexts if str(L) not in report.get("ar_step_ms", {})]
+    if missing:  # the ratios need plain decoding's step from the same --out
+        print(f"No plain decode step in {args.out} at {missing}: the drafter's times stand alone; "
+              f"`--phase plain --out {args.out}` first gives their ratio to a plain step.", flush=True)
     for L in args.contexts:
-        ar_ms = report.get("ar_step_ms", {}).get(str(L), float("nan"))
+        ar_ms = report.get("ar_step_ms", {}).get(str(L))
         row = r[str(L)]
-        row["ar_step_ms"] = round(ar_ms, 3)
+        row["ar_step_ms"] = None if ar_ms is None else round(ar_ms, 3)
         for key in [k for k in row if k.endswith("_ms") and k != "ar_step_ms"]:
-            row[f"{key[:-3]}_vs_ar"] = round(row[key] / ar_ms, 3)
+            if ar_ms is not None:
+                row[f"{key[:-3]}_vs_ar"] = round(row[key] / ar_ms, 3)
         head = (f"full head {r['vocab']} and reduced_ {r['draft_vocab']} rows" if r["draft_vocab"] < r["vocab"]
                 else f"full head {r['vocab']}")
         print(f"LongSpec drafter ({args.longspec_batch} request(s), beam [4,16,16,16,16] cut to 63, window 512, "
@@ -714,7 +719,7 @@ def phase_longspec(args, report: dict) -> None:
             cells = []
             for h in heads:
                 ms, x = row.get(f"{prefix}{h}beam_graph_ms"), row.get(f"{prefix}{h}beam_graph_vs_ar")
-                cells.append(f"{'-' if ms is None else f'{ms} ({x}x)':>18}")
+                cells.append(f"{'-' if ms is None else f'{ms}' if x is None else f'{ms} ({x}x)':>18}")
             print(f"{L:>8} {weights:>7} " + " ".join(cells), flush=True)
     report["longspec_drafter"] = r
 
