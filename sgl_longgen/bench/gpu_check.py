@@ -313,7 +313,7 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, pro
 
 def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, config: dict = LLAMA_8B,
                         device: str = "cuda", draft_vocab: int = 0, profile_dir: Path | None = None,
-                        weights: tuple[str, ...] = ("bf16",)) -> dict:
+                        weights: tuple[str, ...] = ("bf16",), compiled: bool = False) -> dict:
     """Median time (CUDA events, L2 flushed) of one full LongSpec beam expansion for an 8B-shaped
     target, ``batch`` requests at each context length: a steady step (the ring already holds the
     window; the last committed token and the root are fed), its cross-attention reading the
@@ -327,7 +327,9 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     graphed step's per-kernel totals there (:func:`.kernel_trace.profile`). ``weights``: the
     settings timed; ``"fp8"`` again with the block quantized and an fp8 copy of the head (full or
     reduced), as the worker builds them for ``[longspec] weights = "fp8"``, the same figures
-    prefixed ``fp8_`` (``fp8_reduced_``)."""
+    prefixed ``fp8_`` (``fp8_reduced_``). ``compiled``: also the worker's step ``torch.compile``d
+    before its capture (``beam_compiled_graph_ms``): whether inductor's fusion of the levels' small
+    kernels (norms, RoPE, masks, residuals, the beam's bookkeeping) shortens the step."""
     import copy
 
     import msgspec
@@ -385,14 +387,15 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         for prefix, (drafter, head) in variants.items():
             _time_beams(row, prefix, drafter, embed, head, rope, rows, tokens, L, batch, window,
                         (k_buffer, v_buffer), max(contexts), dev,
-                        None if profile_dir is None else profile_dir / f"longspec-{prefix or 'full_'}{L}")
+                        None if profile_dir is None else profile_dir / f"longspec-{prefix or 'full_'}{L}", compiled)
         out[str(L)] = row
         del rows
     return out
 
 
 def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens: list[int], L: int,
-                batch: int, window: int, buffers, max_context: int, dev, profile_to: Path | None = None) -> None:
+                batch: int, window: int, buffers, max_context: int, dev, profile_to: Path | None = None,
+                compiled: bool = False) -> None:
     """One drafter's (and head's) figures at one context into ``row``, keys prefixed ``prefix``.
 
     The drafter as the worker runs it: projections fused, the batch's rings rows of one pool,
@@ -445,6 +448,8 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
             # the worker's step, and the same with torch's top-k (what the Triton top-k saves)
             plans = {"graph": plan, "graph_torch_topk": BeamPlan.for_drafter(
                 drafter, DEFAULT_WIDTHS, 63, DEFAULT_FEED, k_buffer.dtype, dev, fused_topk=False)}
+            if compiled:
+                plans["compiled_graph"] = plan
             for name, step_plan in plans.items():
                 def body(packed, indptr, step_plan=step_plan):
                     attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
@@ -452,7 +457,9 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
                                                 attend, step_plan)
                     return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
-                graphed = GraphedBeam(body)
+                # compiled during the capture's warm-up runs; its first replay is checked against
+                # the compiled function run eagerly, as the worker checks its graph
+                graphed = GraphedBeam(torch.compile(body, dynamic=False) if name == "compiled_graph" else body)
 
                 def graph_step(graphed=graphed):
                     _, packed = plan.pack(*steady, rings, pool.scratch)
@@ -692,7 +699,8 @@ def phase_owl(args, report: dict) -> None:
 
 def phase_longspec(args, report: dict) -> None:
     r = longspec_drafter_ms(args.contexts, args.longspec_batch, draft_vocab=args.longspec_draft_vocab,
-                            profile_dir=args.profile, weights=tuple(args.drafter_weights))
+                            profile_dir=args.profile, weights=tuple(args.drafter_weights),
+                            compiled=args.longspec_compile)
     missing = [L for L in args.contexts if str(L) not in report.get("ar_step_ms", {})]
     if missing:  # the ratios need plain decoding's step from the same --out
         print(f"No plain decode step in {args.out} at {missing}: the drafter's times stand alone; "
@@ -716,11 +724,12 @@ def phase_longspec(args, report: dict) -> None:
         row = r[str(L)]
         for weights in args.drafter_weights:
             prefix = "" if weights == "bf16" else f"{weights}_"
-            cells = []
-            for h in heads:
-                ms, x = row.get(f"{prefix}{h}beam_graph_ms"), row.get(f"{prefix}{h}beam_graph_vs_ar")
-                cells.append(f"{'-' if ms is None else f'{ms}' if x is None else f'{ms} ({x}x)':>18}")
-            print(f"{L:>8} {weights:>7} " + " ".join(cells), flush=True)
+            for beam, label in (("graph", weights), ("compiled_graph", f"{weights}+c"))[: 1 + args.longspec_compile]:
+                cells = []
+                for h in heads:
+                    ms, x = row.get(f"{prefix}{h}beam_{beam}_ms"), row.get(f"{prefix}{h}beam_{beam}_vs_ar")
+                    cells.append(f"{'-' if ms is None else f'{ms}' if x is None else f'{ms} ({x}x)':>18}")
+                print(f"{L:>8} {label:>7} " + " ".join(cells), flush=True)
     report["longspec_drafter"] = r
 
 
@@ -771,6 +780,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--owl-compile", action="store_true", help="also time the torch.compile'd beam")
     p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")
     p.add_argument("--longspec-batch", type=int, default=1, help="requests of the LongSpec beam timing (--phase longspec)")
+    p.add_argument("--longspec-compile", action="store_true",
+                   help="--phase longspec: also time the worker's step torch.compile'd before its capture")
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
                         "token map (0: the full head only)")

@@ -980,10 +980,13 @@ def fuse_projections(drafter: LongSpecDrafter) -> None:
 
 def _fused(drafter: LongSpecDrafter) -> list | None:
     """The fused matrices (tensors, or :class:`~.fp8.Fp8Linear`), if the block's weights are still
-    views of them."""
+    views of them. Inside ``torch.compile`` the storage check cannot be traced and is skipped: a
+    compiled step is specialised to the drafter as it was fused when it was traced."""
     fused = getattr(drafter, "_fused_projections", None)
     if fused is None:
         return None
+    if torch.compiler.is_compiling():
+        return [matrix for matrix, _ in fused]
     for matrix, layers in fused:
         whole = matrix.weight if isinstance(matrix, Fp8Linear) else matrix
         start = 0
