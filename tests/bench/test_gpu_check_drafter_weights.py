@@ -39,7 +39,7 @@ def test_the_longspec_phase_times_each_setting_side_by_side(monkeypatch, capsys)
     monkeypatch.setattr(gpu_check, "longspec_drafter_ms",
                         lambda *a, **kw: timed(*a, **{**kw, "config": cfg, "device": "cpu"}))
     args = argparse.Namespace(contexts=[100], longspec_batch=1, longspec_draft_vocab=100, profile=None,
-                              drafter_weights=["bf16", "fp8"])
+                              drafter_weights=["bf16", "fp8"], longspec_compile=False, out="r.json")
     report = {"ar_step_ms": {"100": 1.0}}
     gpu_check.phase_longspec(args, report)
     r = report["longspec_drafter"]
@@ -49,6 +49,18 @@ def test_the_longspec_phase_times_each_setting_side_by_side(monkeypatch, capsys)
         assert row[f"{prefix}beam_torch_ms"] > 0 and f"{prefix}beam_torch_vs_ar" in row
     out = capsys.readouterr().out
     assert "graphed step ms" in out and " bf16 " in out and " fp8 " in out
+    assert "No plain decode step" not in out
+
+    # Without plain decoding's step in the report: the times alone and a note, no ratios (not nan).
+    args.drafter_weights = ["bf16"]
+    alone: dict = {}
+    gpu_check.phase_longspec(args, alone)
+    row = alone["longspec_drafter"]["100"]
+    assert row["beam_torch_ms"] > 0 and row["ar_step_ms"] is None
+    assert not [k for k in row if k.endswith("_vs_ar")]
+    out = capsys.readouterr().out
+    assert "No plain decode step in r.json at [100]" in out and "--phase plain --out r.json" in out
+    assert "nan" not in out
 
 
 def test_the_owl_phase_keeps_its_bf16_keys_and_adds_the_fp8_ones(monkeypatch, capsys):
