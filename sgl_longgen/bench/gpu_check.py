@@ -40,6 +40,7 @@ the peer), ``--algorithms`` in turn:
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-draft-vocab 32768
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --drafter-weights bf16 fp8
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8
+    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-compile
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms OWL --draft-tokens 32 \
         --drafter-tree-size 15 --spec-drafter-weights fp8  # a narrower OWL tree (32 verify rows), fp8 drafter
 """
