@@ -702,16 +702,17 @@ def phase_longspec(args, report: dict) -> None:
     r = longspec_drafter_ms(args.contexts, args.longspec_batch, draft_vocab=args.longspec_draft_vocab,
                             profile_dir=args.profile, weights=tuple(args.drafter_weights),
                             compiled=args.longspec_compile)
-    missing = [L for L in args.contexts if str(L) not in report.get("ar_step_ms", {})]
+    plain = report.get("ar_step_ms", {})
+    missing = [L for L in args.contexts if str(L) not in plain]
     if missing:  # the ratios need plain decoding's step from the same --out
         print(f"No plain decode step in {args.out} at {missing}: the drafter's times stand alone; "
               f"`--phase plain --out {args.out}` first gives their ratio to a plain step.", flush=True)
     for L in args.contexts:
-        ar_ms = report.get("ar_step_ms", {}).get(str(L))
+        ar_ms = plain.get(str(L))
         row = r[str(L)]
         row["ar_step_ms"] = None if ar_ms is None else round(ar_ms, 3)
-        for key in [k for k in row if k.endswith("_ms") and k != "ar_step_ms"]:
-            if ar_ms is not None:
+        if ar_ms is not None:
+            for key in [k for k in row if k.endswith("_ms") and k != "ar_step_ms"]:
                 row[f"{key[:-3]}_vs_ar"] = round(row[key] / ar_ms, 3)
         head = (f"full head {r['vocab']} and reduced_ {r['draft_vocab']} rows" if r["draft_vocab"] < r["vocab"]
                 else f"full head {r['vocab']}")

@@ -96,17 +96,16 @@ def _graphed(fn: Callable[[], object]) -> Tuple[Callable[[], object], str]:
     return graph.replay, "graph"
 
 
-_L2_FLUSH: Dict[str, torch.Tensor] = {}
+@functools.cache
+def _l2_flush_buffer() -> torch.Tensor:
+    return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
 
 def _flush_l2() -> None:
     """Overwrite a buffer larger than any Hopper L2 (50-60 MB), so the next timed call reads its
     operands from HBM as each layer of a real step does (one layer's 4K-token cache, 16 MB, would
     otherwise stay in L2 from one replay to the next)."""
-    buf = _L2_FLUSH.get("buf")
-    if buf is None:
-        buf = _L2_FLUSH["buf"] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    buf.zero_()
+    _l2_flush_buffer().zero_()
 
 
 def _median_ms(run: Callable[[], object], reps: int, flush_l2: bool = False) -> float:
@@ -281,13 +280,12 @@ TUNE_CONFIGS = [  # (block_m, block_n, num_warps, num_stages); num_splits from t
 def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> None:
     """Each path timed as the engine runs it, replayed from a CUDA graph with L2 flushed before
     each replay: eager timings of a hybrid call (plan buffers, prefix pass, tree part, merge) are
-    the host's launch gaps at short contexts, not the kernels. ``modes`` says where a capture
-    failed and the eager time stands instead."""
+    the host's launch gaps at short contexts, not the kernels. A row's ``modes`` says where a
+    capture failed and the eager time stands instead."""
     g = torch.Generator().manual_seed(0)
-    modes: Dict[str, str] = {}
 
-    def timed(name: str, fn: Callable[[], object]) -> float:
-        us, modes[name] = time_graph_us(fn, flush_l2=True)
+    def timed(row: Dict, name: str, fn: Callable[[], object]) -> float:
+        us, row["modes"][name] = time_graph_us(fn, flush_l2=True)
         return us
 
     workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
@@ -297,16 +295,14 @@ def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> No
     for ctx in contexts:
         q1 = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
         decode = FlashInferDecodeCache.get(workspace, ctx, device)
-        t_ar = timed("ar", lambda: decode(q1, k_pool, v_pool))
-        ar_mode = modes["ar"]
+        t_ar, ar_mode = time_graph_us(lambda: decode(q1, k_pool, v_pool), flush_l2=True)
         for T in trees:
-            modes.clear()
-            modes["ar"] = ar_mode
             q = torch.randn(T, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
             tree = random_tree_mask(1, T, generator=g)[0].to(device)
             sglang = FlashInferVerify(workspace, ctx, tree, device)
             ref = sglang(q, k_pool, v_pool).float()
-            row = dict(table="attention", ctx=ctx, T=T, ar_us=t_ar, sglang_us=timed("sglang", lambda: sglang(q, k_pool, v_pool)))
+            row = dict(table="attention", ctx=ctx, T=T, ar_us=t_ar, modes={"ar": ar_mode})
+            row["sglang_us"] = timed(row, "sglang", lambda: sglang(q, k_pool, v_pool))
             backends = ["triton"]
             if fold_supported(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, T, DTYPE, DTYPE, torch.device(device)):
                 backends.append("flashinfer_fold")
@@ -315,20 +311,19 @@ def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> No
                 # FA3's own decode step (SGLang's default on Hopper), next to FlashInfer's.
                 fa3_ar = Fa3Prefix(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, device)
                 fa3_ar.plan(_i32([0, ctx], device), torch.arange(ctx, dtype=torch.int32, device=device), 1)
-                row["fa3_decode_us"] = timed("fa3_decode", lambda: fa3_ar.run(q1, k_pool, v_pool, HEAD_DIM**-0.5))
+                row["fa3_decode_us"] = timed(row, "fa3_decode", lambda: fa3_ar.run(q1, k_pool, v_pool, HEAD_DIM**-0.5))
             for backend in backends:
                 hyb = Hybrid(ctx, tree, device, backend)
                 err = (hyb(q, k_pool, v_pool).float() - ref).abs().max().item()
-                row[f"{backend}_us"] = timed(backend, lambda: hyb(q, k_pool, v_pool))
+                row[f"{backend}_us"] = timed(row, backend, lambda: hyb(q, k_pool, v_pool))
                 row[f"{backend}_err"] = err
                 if backend == "triton":
                     row["triton_config"] = dataclasses.asdict(hyb.attn.prefix_config)
                 if backend in SCORE_PATHS:
                     scored = Hybrid(ctx, tree, device, backend, score_rows=2)
-                    row[f"{backend}_scores_us"] = timed(f"{backend}_scores", lambda: scored(q, k_pool, v_pool))
+                    row[f"{backend}_scores_us"] = timed(row, f"{backend}_scores", lambda: scored(q, k_pool, v_pool))
             auto = Hybrid(ctx, tree, device, "auto")
             row["auto_path"] = auto.path
-            row["modes"] = dict(modes)
             if tune:
                 row["tune"] = tune_prefix(ctx, tree, q, k_pool, v_pool, ref, device)
             rows.append(row)
@@ -382,7 +377,7 @@ def print_attention_row(r, flush=False) -> None:
         f"ctx {r['ctx']:6d} T {r['T']:3d} | AR {ar:6.1f} us | SGLang {r['sglang_us']:7.1f} ({r['sglang_us'] / ar:4.2f}x) | "
         f"triton {r['triton_us']:7.1f} ({r['triton_us'] / ar:4.2f}x) err {r['triton_err']:.1e} | fold {fold}{fa3}"
         f" | auto={r['auto_path']}"
-        + "".join(f" | {name} eager" for name, mode in r.get("modes", {}).items() if mode != "graph"),
+        + "".join(f" | {name} eager" for name, mode in r["modes"].items() if mode != "graph"),
         flush=flush,
     )
 
