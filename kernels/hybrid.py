@@ -55,6 +55,13 @@ DEFAULT_FOLD_MAX_TREE = int(env.get("FOLD_MAX_TREE", "32"))
 # Upper bound of the scratch space the folded path may allocate (FlashInfer plans it generously).
 DEFAULT_FOLD_WORKSPACE_MB = int(env.get("FOLD_WORKSPACE_MB", "1024"))
 
+SCORED_TRITON_MAX_TREE = 16
+"""With selection scores, "auto" takes the Triton prefix path up to this tree size although FA3 is
+there: Triton fuses the scores into its prefix pass (+3-8% of its time), the FA3 and folded paths
+need a separate key-only pass over every prefix key. Measured per layer (H200, graphed, 32/8 and 28/4 heads, d=128, 2 score
+rows): at T=16 Triton with scores took 26/61/131 us at 4K/32K/98K against FA3's 34/110/262 (28/4:
+35/57/124 against 34/95/222); at T=64 FA3 stayed ahead (339 against 426 us at 98K)."""
+
 
 class HybridTreeAttention:
     """Plan/run wrapper for tree verification attention over a paged prefix.
@@ -187,7 +194,7 @@ class HybridTreeAttention:
         self.tree_mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
         self.own_kv_in_prefix = own_kv_in_prefix
         shared_host = self._plan_cascade(kv_indptr, shared_prefix_len, prefix_lens_host)
-        self.path = self._choose_path(batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host)
+        self.path = self._choose_path(batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host, score_rows)
         skip = self._cascade_meta[2:3] if self.cascade else None
         if self.path == "fa3":
             if max_prefix_len is None and prefix_lens_host:
@@ -250,7 +257,7 @@ class HybridTreeAttention:
         self.cascade = True
         return shared_host
 
-    def _choose_path(self, batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host) -> str:
+    def _choose_path(self, batch_size, tree_size, q_dtype, kv_dtype, prefix_lens_host, score_rows=0) -> str:
         if self.prefix_backend == "triton":
             return "triton"
 
@@ -264,6 +271,8 @@ class HybridTreeAttention:
                     + (" (no page-table buffer for CUDA graphs)" if self.use_cuda_graph else "")
                 )
             return "fa3"
+        if self.prefix_backend == "auto" and score_rows and not self.cascade and tree_size <= SCORED_TRITON_MAX_TREE:
+            return "triton"  # the scores fused into the prefix pass (SCORED_TRITON_MAX_TREE)
         if self.prefix_backend == "auto" and can_fa3:
             return "fa3"
         can_fold = fold_supported(

@@ -452,8 +452,10 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
             if compiled:
                 plans["compiled_graph"] = plan
             for name, step_plan in plans.items():
-                def body(packed, indptr, step_plan=step_plan):
+                def body(packed, indptr, step_plan=step_plan, opaque=name == "compiled_graph"):
                     attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
+                    if opaque:  # inductor cannot re-generate the Triton prefix kernel: a graph break around it
+                        attend = torch.compiler.disable(attend)
                     beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed,
                                                 attend, step_plan)
                     return beam.tokens, beam.parents, beam.depths, beam.scores, broken

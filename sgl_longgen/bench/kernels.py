@@ -59,6 +59,7 @@ from ..kernels.fa3_prefix import Fa3Prefix, fa3_supported
 from ..kernels.folded_decode import fold_supported
 from ..kernels.hybrid import HybridTreeAttention
 from ..kernels.prefix_attention import PrefixKernelConfig, prefix_kernel_config
+from ..core.verify_scores import score_rows
 from ..kernels.reference import random_tree_mask
 from .kernel_trace import profile
 
@@ -320,7 +321,7 @@ def attention_table(contexts, trees, device, tune: bool, rows: List[Dict]) -> No
                 if backend == "triton":
                     row["triton_config"] = dataclasses.asdict(hyb.attn.prefix_config)
                 if backend in SCORE_PATHS:
-                    scored = Hybrid(ctx, tree, device, backend, score_rows=2)
+                    scored = Hybrid(ctx, tree, device, backend, score_rows=score_rows(T))
                     row[f"{backend}_scores_us"] = timed(row, f"{backend}_scores", lambda: scored(q, k_pool, v_pool))
             auto = Hybrid(ctx, tree, device, "auto")
             row["auto_path"] = auto.path
@@ -438,8 +439,31 @@ def cascade_table(bs, shared, own, trees, device, rows: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------- step table
+def _layer_ops():
+    """RMSNorm, residual-add + RMSNorm and SiLU-and-mul as SGLang's Llama runs them on a GPU
+    (sgl_kernel's fused kernels, so the step's non-attention work costs what it costs in the
+    engine), torch's where sgl_kernel cannot load."""
+    try:
+        from sgl_kernel import fused_add_rmsnorm, rmsnorm, silu_and_mul
+    except Exception:  # noqa: BLE001 - no sgl_kernel (CPU): the same arithmetic in torch
+        def rmsnorm(x, w, eps):
+            return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+        def fused_add_rmsnorm(x, residual, w, eps):
+            residual.add_(x)
+            x.copy_(rmsnorm(residual, w, eps))
+
+        def silu_and_mul(gu):
+            half = gu.shape[-1] // 2
+            return torch.nn.functional.silu(gu[..., :half]) * gu[..., half:]
+    return rmsnorm, fused_add_rmsnorm, silu_and_mul
+
+
 class SyntheticLlama:
-    """Llama-3.1-8B-shaped decoder (random weights) whose attention is pluggable, for step timing."""
+    """Llama-3.1-8B-shaped decoder (random weights) whose attention is pluggable, for step timing;
+    the rest of each layer as SGLang's ``LlamaForCausalLM`` runs it (fused residual norms)."""
+
+    EPS = 1e-5
 
     def __init__(self, num_layers, max_slots, device, hidden=4096, inter=14336, vocab=128256):
         self.num_layers = num_layers
@@ -450,30 +474,31 @@ class SyntheticLlama:
             dict(qkv=w(qkv, hidden), o=w(hidden, NUM_Q_HEADS * HEAD_DIM), gate_up=w(2 * inter, hidden), down=w(hidden, inter))
             for _ in range(num_layers)
         ]
+        self.norm_weight = torch.ones(hidden, dtype=DTYPE, device=device)
         self.lm_head = w(vocab, hidden)
         self.k_pool = torch.randn(num_layers, max_slots, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
         self.v_pool = torch.randn_like(self.k_pool)
-
-    @staticmethod
-    def _norm(x):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+        self.rmsnorm, self.add_rmsnorm, self.silu_and_mul = _layer_ops()
 
     def forward(self, x, out_loc, attn):
         """``x [T, hidden]``; the step's K/V go to pool rows ``out_loc``; returns logits."""
         T = x.shape[0]
         q_end, k_end = NUM_Q_HEADS * HEAD_DIM, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM
+        residual = x.clone()
+        h = self.rmsnorm(residual, self.norm_weight, self.EPS)
         for i, lw in enumerate(self.layers):
-            qkv = self._norm(x) @ lw["qkv"].t()
+            qkv = h @ lw["qkv"].t()
             q = qkv[:, :q_end].view(T, NUM_Q_HEADS, HEAD_DIM)
             k = qkv[:, q_end:k_end].reshape(T, NUM_KV_HEADS, HEAD_DIM)
             v = qkv[:, k_end:].reshape(T, NUM_KV_HEADS, HEAD_DIM)
             self.k_pool[i].index_copy_(0, out_loc, k)
             self.v_pool[i].index_copy_(0, out_loc, v)
             o = attn(q, self.k_pool[i], self.v_pool[i], k, v)
-            x = x + o.reshape(T, -1) @ lw["o"].t()
-            gu = self._norm(x) @ lw["gate_up"].t()
-            x = x + (torch.nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]) @ lw["down"].t()
-        return self._norm(x) @ self.lm_head.t()
+            h = o.reshape(T, -1) @ lw["o"].t()
+            self.add_rmsnorm(h, residual, self.norm_weight, self.EPS)  # residual += h; h = norm(residual)
+            h = self.silu_and_mul(h @ lw["gate_up"].t()) @ lw["down"].t()
+            self.add_rmsnorm(h, residual, self.norm_weight, self.EPS)  # the next layer's input (or the final) norm
+        return h @ self.lm_head.t()
 
 
 def time_step_ms(model, T, prefix_len, attn, device, profile_to: Optional[Path] = None) -> Tuple[float, str]:
@@ -514,7 +539,7 @@ def step_table(contexts, trees, device, num_layers, rows: List[Dict], profile_di
                 row["fa3_ms"] = t_hy
             for path in SCORE_PATHS:
                 if f"{path}_ms" in row:
-                    scored = Hybrid(ctx, tree, device, path, score_rows=2)
+                    scored = Hybrid(ctx, tree, device, path, score_rows=score_rows(T))
                     row[f"{path}_scores_ms"], _ = time_step_ms(model, T, ctx, scored, device)
             rows.append(row)
             print(

@@ -212,3 +212,35 @@ def test_cascade_over_a_shared_prompt_matches_fp32_reference(tree_size, prefix_b
         graph.replay()
         torch.cuda.synchronize()
         assert max_err(out, ref_o) <= ACCEPT, length
+
+
+@pytest.mark.parametrize("tree_size", [16, 64])
+def test_auto_path_with_selection_scores(tree_size):
+    """With scores, "auto" takes Triton (scores fused) for small trees where FA3 would add a
+    separate key-only pass, FA3 above; the scores are the same on either path."""
+    if not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("FA3 needs a Hopper GPU and sgl_kernel's flash_ops")
+    from sgl_longgen.core.verify_scores import score_rows
+    from sgl_longgen.kernels.hybrid import SCORED_TRITON_MAX_TREE
+
+    lens = [4095, 1000]
+    batch = make_batch(lens, tree_size, HQ, HKV, D, torch.bfloat16, seed=7)
+    rows = score_rows(tree_size)
+    results = {}
+    for backend in ("auto", "fa3"):
+        attn = HybridTreeAttention(HQ, HKV, D, "cuda", prefix_backend=backend)
+        path = attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
+                         q_dtype=torch.bfloat16, prefix_lens_host=lens, score_rows=rows)
+        scores = torch.zeros(len(lens), HKV, max(lens), dtype=torch.float32, device="cuda")
+        out = attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, scores=scores,
+                       score_rows=rows)
+        results[backend] = (path, out, scores)
+    assert results["auto"][0] == ("triton" if tree_size <= SCORED_TRITON_MAX_TREE else "fa3")
+    assert results["fa3"][0] == "fa3"
+    assert max_err(results["auto"][1], results["fa3"][1]) <= ACCEPT
+    for b, n in enumerate(lens):
+        assert torch.allclose(results["auto"][2][b, :, :n], results["fa3"][2][b, :, :n], rtol=1e-3, atol=1e-3)
+    # Without scores "auto" keeps FA3.
+    attn = HybridTreeAttention(HQ, HKV, D, "cuda")
+    assert attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, q_dtype=torch.bfloat16,
+                     prefix_lens_host=lens) == "fa3"
