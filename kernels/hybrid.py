@@ -62,6 +62,12 @@ need a separate key-only pass over every prefix key. Measured per layer (H200, g
 rows): at T=16 Triton with scores took 26/61/131 us at 4K/32K/98K against FA3's 34/110/262 (28/4:
 35/57/124 against 34/95/222); at T=64 FA3 stayed ahead (339 against 426 us at 98K)."""
 
+CASCADE_TRITON_MAX_TREE = 1
+"""With a cascade, "auto" takes the Triton path up to this tree size: one KV range for the whole
+batch's rows over the shared slots, merged in the same pass as the own parts, against FA3's two
+launches and a separate merge. Measured per layer (H200, graphed, 8 requests sharing a 32K prompt):
+at T=1 Triton's cascade took 62 us against FA3's 72; at T=4 FA3's was ahead (78 against 88)."""
+
 
 class HybridTreeAttention:
     """Plan/run wrapper for tree verification attention over a paged prefix.
@@ -273,6 +279,8 @@ class HybridTreeAttention:
             return "fa3"
         if self.prefix_backend == "auto" and score_rows and not self.cascade and tree_size <= SCORED_TRITON_MAX_TREE:
             return "triton"  # the scores fused into the prefix pass (SCORED_TRITON_MAX_TREE)
+        if self.prefix_backend == "auto" and self.cascade and tree_size <= CASCADE_TRITON_MAX_TREE:
+            return "triton"  # CASCADE_TRITON_MAX_TREE
         if self.prefix_backend == "auto" and can_fa3:
             return "fa3"
         can_fold = fold_supported(

@@ -244,3 +244,24 @@ def test_auto_path_with_selection_scores(tree_size):
     attn = HybridTreeAttention(HQ, HKV, D, "cuda")
     assert attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, q_dtype=torch.bfloat16,
                      prefix_lens_host=lens) == "fa3"
+
+
+@pytest.mark.parametrize("tree_size", [1, 4])
+def test_auto_path_of_a_cascade(tree_size):
+    """A cascade takes Triton's path at one row per request (one KV range for the batch, merged in
+    the same pass), FA3's above, and either is within the bf16 bound."""
+    if not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("FA3 needs a Hopper GPU and sgl_kernel's flash_ops")
+    from kernel_cases import make_shared_batch
+    from sgl_longgen.kernels.hybrid import CASCADE_TRITON_MAX_TREE
+
+    own = [0, 5, 300, 17]
+    batch = make_shared_batch(4096, own, tree_size, HQ, HKV, D, torch.bfloat16, seed=3)
+    batch.sm_scale = D**-0.5
+    attn = HybridTreeAttention(HQ, HKV, D, "cuda")
+    path = attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
+                     q_dtype=torch.bfloat16, prefix_lens_host=[4096 + n for n in own], shared_prefix_len=4096)
+    assert attn.cascade and path == ("triton" if tree_size <= CASCADE_TRITON_MAX_TREE else "fa3")
+    out = nan_like(batch.q)
+    attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out)
+    assert max_err(out, batch.reference()[0]) <= ACCEPT
