@@ -58,9 +58,10 @@ DEFAULT_FOLD_WORKSPACE_MB = int(env.get("FOLD_WORKSPACE_MB", "1024"))
 SCORED_TRITON_MAX_TREE = 16
 """With selection scores, "auto" takes the Triton prefix path up to this tree size although FA3 is
 there: Triton fuses the scores into its prefix pass (+3-8% of its time), the FA3 and folded paths
-need a separate key-only pass over every prefix key. Measured per layer (H200, graphed, 32/8 and 28/4 heads, d=128, 2 score
-rows): at T=16 Triton with scores took 26/61/131 us at 4K/32K/98K against FA3's 34/110/262 (28/4:
-35/57/124 against 34/95/222); at T=64 FA3 stayed ahead (339 against 426 us at 98K)."""
+need a separate key-only pass over every prefix key. Measured per layer (H200, graphed, d=128, 2
+score rows): at T=16 Triton with scores took 26/61/131 us at 4K/32K/98K against FA3's 34/110/262
+with 32/8 heads (28/4: 35/57/124 against 34/95/222); at T=64 FA3 stayed ahead (339 against 426 us
+at 98K)."""
 
 CASCADE_TRITON_MAX_TREE = 1
 """With a cascade, "auto" takes the Triton path up to this tree size: one KV range for the whole
@@ -277,10 +278,8 @@ class HybridTreeAttention:
                     + (" (no page-table buffer for CUDA graphs)" if self.use_cuda_graph else "")
                 )
             return "fa3"
-        if self.prefix_backend == "auto" and score_rows and not self.cascade and tree_size <= SCORED_TRITON_MAX_TREE:
-            return "triton"  # the scores fused into the prefix pass (SCORED_TRITON_MAX_TREE)
-        if self.prefix_backend == "auto" and self.cascade and tree_size <= CASCADE_TRITON_MAX_TREE:
-            return "triton"  # CASCADE_TRITON_MAX_TREE
+        if self.prefix_backend == "auto" and self._triton_measured_faster(tree_size, score_rows):
+            return "triton"
         if self.prefix_backend == "auto" and can_fa3:
             return "fa3"
         can_fold = fold_supported(
@@ -303,6 +302,13 @@ class HybridTreeAttention:
         need = workspace_bytes(batch_size, self.num_qo_heads, self.num_kv_heads, self.head_dim, tree_size, num_sms)
         limit = self.fold_workspace_bytes if self._fold_workspace is None else self._fold_workspace.numel()
         return "flashinfer_fold" if need <= limit else "triton"
+
+    def _triton_measured_faster(self, tree_size: int, score_rows: int) -> bool:
+        """Where the Triton path was measured ahead of FA3's: a cascade of few rows
+        (:data:`CASCADE_TRITON_MAX_TREE`), selection scores on a small tree (:data:`SCORED_TRITON_MAX_TREE`)."""
+        if self.cascade:
+            return tree_size <= CASCADE_TRITON_MAX_TREE
+        return bool(score_rows) and tree_size <= SCORED_TRITON_MAX_TREE
 
     def _fa3_prefix(self) -> Fa3Prefix:
         if self._fa3 is None:

@@ -55,11 +55,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..core.verify_scores import score_rows
 from ..kernels.fa3_prefix import Fa3Prefix, fa3_supported
 from ..kernels.folded_decode import fold_supported
 from ..kernels.hybrid import HybridTreeAttention
 from ..kernels.prefix_attention import PrefixKernelConfig, prefix_kernel_config
-from ..core.verify_scores import score_rows
 from ..kernels.reference import random_tree_mask
 from .kernel_trace import profile
 
@@ -447,7 +447,7 @@ def _layer_ops():
         from sgl_kernel import fused_add_rmsnorm, rmsnorm, silu_and_mul
     except Exception:  # noqa: BLE001 - no sgl_kernel (CPU): the same arithmetic in torch
         def rmsnorm(x, w, eps):
-            return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
 
         def fused_add_rmsnorm(x, residual, w, eps):
             residual.add_(x)
