@@ -11,6 +11,12 @@ the matrix is fp8, read at one byte per entry:
   values) and accumulates ``W_tile @ x_tile.T`` in float32. ``W``'s rows are the product's rows
   (the tensor cores' wide side) and ``x``'s few rows its columns, padded to 16 by masked loads, so
   ``x`` is never copied;
+* with ``f16_dot`` (bf16 activations only), the tile of ``W`` becomes fp16 and the product runs in
+  fp16: Hopper converts e4m3 pairs to fp16 in one instruction but has none to bf16 (a detour
+  through float32), and ``x``'s tile, a quarter of ``W``'s or less, is the one converted instead,
+  clamped to fp16's range (exact for bf16 values of magnitude 2^-14 to 65504; beyond, the drafts
+  change, never the verified output). Chosen per shape by measurement (``bench.kernels --mode
+  fp8-gemm --tune``);
 * a row's scale multiplies its float32 sum once, after the K loop (``sum_k q[n, k] x[m, k]`` times
   ``scale[n]``: the same value as dequantizing first, one multiply per output instead of per entry);
 * with few row blocks (a 4096-row matrix is 64 blocks for 132 SMs) K is split: each split writes
@@ -48,6 +54,7 @@ class Fp8GemmConfig:
     num_warps: int
     num_stages: int
     split_k: int
+    f16_dot: bool = False  # bf16 activations: the product in fp16 (W converted to fp16, x clamped to it)
 
 
 # (largest row count, block_m, block_n, block_k, num_warps, num_stages). Per stage the pipeline
@@ -72,14 +79,18 @@ def num_sms(device: torch.device) -> int:
     return _SMS[index]
 
 
-def fp8_gemm_config(m: int, n: int, k: int, sms: int, split_k: int | None = None) -> Fp8GemmConfig:
+def fp8_gemm_config(m: int, n: int, k: int, sms: int, split_k: int | None = None,
+                    tile: tuple[int, int, int, int] | None = None, f16_dot: bool = False) -> Fp8GemmConfig:
     """The tiles for ``m`` rows of ``x`` and an ``n x k`` matrix, and the K split: doubled while the
     grid has fewer than 1.5 programs per SM and each split keeps :data:`MIN_SPLIT_STEPS` K steps
     (a 4096 x 14336 matrix: 64 row blocks, 4 splits; 14336 or more rows: no split). ``split_k``
-    overrides the split."""
+    overrides the split; ``tile`` (``block_n, block_k, num_warps, num_stages``) the table's tile
+    for ``W`` (the split then follows from it); ``f16_dot`` the product's dtype (module docstring)."""
     for limit, bm, bn, bk, warps, stages in _TILES:
         if limit is None or m <= limit:
             break
+    if tile is not None:
+        bn, bk, warps, stages = tile
     if split_k is None:
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
         split_k = 1
@@ -88,13 +99,14 @@ def fp8_gemm_config(m: int, n: int, k: int, sms: int, split_k: int | None = None
             split_k *= 2
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    return Fp8GemmConfig(bm, bn, bk, warps, stages, split_k)
+    return Fp8GemmConfig(bm, bn, bk, warps, stages, split_k, f16_dot)
 
 
 @triton.jit
 def _fp8_gemm_kernel(X, W, Scale, Out, Part, M, N, K, stride_xm, stride_wn, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                     F16_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -115,6 +127,8 @@ def _fp8_gemm_kernel(X, W, Scale, Out, Part, M, N, K, stride_xm, stride_wn, k_pe
             k_ok = (k_start + k0 + offs_k) < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if F16_DOT:  # then w converts to fp16 below
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         if UPCAST:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
         elif IEEE:
@@ -181,6 +195,7 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                            EVEN_K=k == split * k_per_split, UPCAST=upcast,
                            IEEE=x.dtype == torch.float32 and not upcast,
+                           F16_DOT=cfg.f16_dot and x.dtype == torch.bfloat16,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = min(REDUCE_BLOCK, triton.next_power_of_2(n))

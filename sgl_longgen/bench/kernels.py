@@ -37,6 +37,7 @@ Usage (GPU host)::
     python -m sgl_longgen.bench.kernels --mode attention --tune   # + a sweep of Triton tiles
     python -m sgl_longgen.bench.kernels --mode cascade       # 8 requests sharing a 32K prompt, T=64
     python -m sgl_longgen.bench.kernels --mode fp8-gemm      # the drafters' fp8 GEMMs vs bf16, 1-64 rows
+    python -m sgl_longgen.bench.kernels --mode fp8-gemm --tune --fp8-rows 4,16   # + its tiles per LongSpec matrix
     python -m sgl_longgen.bench.kernels --mode fa3-splits --batches 1,4   # FA3's split counts and GQA packing
 
 The first run compiles FlashInfer's kernels (about two minutes); later runs reuse its cache.
@@ -591,6 +592,75 @@ def fp8_gemm_table(row_counts, device, rows: list[dict]) -> None:
         torch.cuda.empty_cache()
 
 
+# LongSpec's matrices as a beam level multiplies them (fused q/k/v, the attention outputs and the
+# cross-attention's query, fused gate/up, down, the 32K-row head), and the tiles tried for each:
+# (block_n, block_k, num_warps, num_stages), each with the split the heuristic gives that tile and
+# twice it, the product in bf16 and in fp16 (``f16_dot``).
+FP8_TUNE_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (32768, 4096))
+FP8_TUNE_TILES = (
+    (64, 256, 4, 4), (64, 256, 4, 6), (64, 512, 4, 3), (64, 128, 4, 6),
+    (32, 256, 4, 4), (32, 512, 4, 4), (128, 256, 4, 4), (128, 256, 8, 4), (128, 128, 8, 6),
+)
+
+
+def fp8_tune(row_counts, device, rows: list[dict]) -> None:
+    """Each LongSpec matrix times ``m`` rows through the fp8 GEMM at every tile of
+    :data:`FP8_TUNE_TILES` (graphed, L2 flushed: a beam level finds none of its matrix in L2),
+    against the fixed table's choice: whether, and by how much, a tile measured per shape on this
+    GPU would beat it. The best of each shape is printed with its GB/s; every try is in ``rows``."""
+    from ..core.fp8 import quantize, reference_linear
+    from ..kernels.fp8_gemm import MAX_SPLIT_K, fp8_gemm, fp8_gemm_config, num_sms
+
+    g = torch.Generator(device=device).manual_seed(5)
+    sms = num_sms(torch.device(device))
+    for n, k in FP8_TUNE_SHAPES:
+        w = torch.randn(n, k, device=device, dtype=DTYPE, generator=g) * 0.02
+        q, scale = quantize(w)
+        read = (n * k + 4 * n) / 1e3  # bytes / 1e3: GB/s from microseconds
+        for m in row_counts:
+            x = torch.randn(m, k, device=device, dtype=DTYPE, generator=g)
+            twin = reference_linear(x.float(), q, scale)
+            bf16_us, _ = time_graph_us(lambda x=x, w=w: torch.nn.functional.linear(x, w), flush_l2=True)
+            rows.append({"table": "fp8_tune", "m": m, "n": n, "k": k, "bf16_us": bf16_us,
+                         "bf16_GBps": 2 * n * k / 1e3 / bf16_us})
+            default = fp8_gemm_config(m, n, k, sms)
+            tries = [default]
+            for tile in FP8_TUNE_TILES:
+                split = fp8_gemm_config(m, n, k, sms, tile=tile).split_k  # the heuristic's split for this tile
+                for s in sorted({split, min(MAX_SPLIT_K, 2 * split)}):
+                    for f16_dot in (False, True):
+                        cfg = fp8_gemm_config(m, n, k, sms, split_k=s, tile=tile, f16_dot=f16_dot)
+                        if cfg not in tries:
+                            tries.append(cfg)
+            results = []
+            for cfg in tries:
+                try:
+                    err = ((fp8_gemm(x, q, scale, config=cfg).float() - twin).norm() / twin.norm()).item()
+                    us, mode = time_graph_us(lambda cfg=cfg: fp8_gemm(x, q, scale, config=cfg), flush_l2=True)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit (shared memory, registers)
+                    rows.append({"table": "fp8_tune", "m": m, "n": n, "k": k, "config": dataclasses.asdict(cfg),
+                                 "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    continue
+                row = {"table": "fp8_tune", "m": m, "n": n, "k": k, "config": dataclasses.asdict(cfg), "us": us,
+                       "GBps": read / us, "err": err, "timing": mode, "default": cfg == default}
+                rows.append(row)
+                results.append(row)
+            if not results:
+                print(f"{n:6d} x {k:5d} m {m:3d} | no tile ran", flush=True)
+                continue
+            best = min(results, key=lambda r: r["us"])
+            base_row = next((r for r in results if r["default"]), None)
+            base_txt = f"{base_row['us']:7.1f} us {base_row['GBps']:5.0f} GB/s" if base_row else "failed"
+            c = best["config"]
+            print(f"{n:6d} x {k:5d} m {m:3d} | bf16 {bf16_us:7.1f} us {2 * n * k / 1e3 / bf16_us:5.0f} GB/s "
+                  f"| table {base_txt} | best {best['us']:7.1f} us {best['GBps']:5.0f} GB/s "
+                  f"(n {c['block_n']} k {c['block_k']} w {c['num_warps']} s {c['num_stages']} split {c['split_k']}"
+                  f"{' f16' if c['f16_dot'] else ''}) "
+                  f"err {best['err']:.1e} | {len(results)} tiles", flush=True)
+        del w, q, scale
+        torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     global NUM_Q_HEADS, NUM_KV_HEADS
@@ -606,7 +676,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cascade-own", type=int, default=0, help="tokens of each request's own (cascade table)")
     parser.add_argument("--cascade-trees", default="64", help="draft tree sizes T of the cascade table")
     parser.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (step table)")
-    parser.add_argument("--tune", action="store_true", help="sweep Triton prefix tiles (attention table)")
+    parser.add_argument("--tune", action="store_true",
+                        help="sweep tiles: the Triton prefix kernel's (attention table), the fp8 GEMM's per "
+                             "LongSpec matrix (fp8-gemm table)")
     parser.add_argument("--fp8-rows", default="1,4,16,64", help="rows of the activations (fp8-gemm table)")
     parser.add_argument("--json", help="write all numbers to this file")
     parser.add_argument("--profile", type=Path, metavar="DIR",
@@ -646,6 +718,10 @@ def main(argv=None) -> int:
         print("# weight-only fp8 GEMM vs bf16 F.linear, the drafters' matrices, CUDA graphs "
               "(us; GB/s of the matrix read)", flush=True)
         fp8_gemm_table([int(x) for x in args.fp8_rows.split(",")], device, rows)
+        if args.tune:
+            print("# fp8 GEMM tiles per LongSpec matrix, graphed, L2 flushed (us; GB/s of the matrix read)",
+                  flush=True)
+            fp8_tune([int(x) for x in args.fp8_rows.split(",")], device, rows)
     if args.mode == "fa3-splits":
         print("# FA3 prefix pass, one layer, CUDA graphs (us per split count/GQA packing; 0/None: FA3's heuristic)",
               flush=True)

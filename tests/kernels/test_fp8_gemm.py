@@ -67,6 +67,29 @@ def test_half_precision_activations_differ_from_the_twin_by_their_rounding_only(
     assert_twin(fp8_gemm(x, q, scale, split_k=split_k), x, q, scale)
 
 
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_the_fp16_product_of_bf16_activations_is_the_twin(split_k):
+    """``f16_dot``: bf16 activations of ordinary magnitude are exact in fp16, so the product in
+    fp16 differs from the twin by the output's rounding only."""
+    x, q, scale = operands(16, 192, 512, dtype=torch.bfloat16, seed=3)
+    cfg = fp8_gemm_config(16, 192, 512, 8, split_k=split_k, f16_dot=True)
+    assert cfg.f16_dot
+    assert_twin(fp8_gemm(x, q, scale, config=cfg), x, q, scale)
+
+
+def test_the_fp16_product_clamps_activations_beyond_fp16():
+    """An activation beyond fp16's largest value (65504) enters the fp16 product clamped to it:
+    the output stays finite and equals the twin of the clamped activations (the bf16 path, which
+    needs no clamp, gives the twin of the activations themselves)."""
+    x, q, scale = operands(4, 64, 128, dtype=torch.bfloat16, seed=5)
+    x[1, 7], x[2, 0] = 3.0e6, -2.0e5
+    cfg = fp8_gemm_config(4, 64, 128, 8, f16_dot=True)
+    out = fp8_gemm(x, q, scale, config=cfg)
+    assert torch.isfinite(out).all()
+    assert_twin(out, x.clamp(-65504, 65504), q, scale)
+    assert_twin(fp8_gemm(x, q, scale), x, q, scale)
+
+
 def test_leading_dims_and_a_strided_activation():
     x, q, scale = operands(2 * 3 * 7, 64, 96, seed=2)
     wide = torch.cat([x, x], dim=-1)[:, ::2]  # non-unit column stride: the kernel takes a copy
@@ -118,6 +141,16 @@ def test_the_table_picks_tiles_by_rows_and_splits_only_short_grids():
         fp8_gemm_config(1, 64, 2048, 132, split_k=0)
 
 
+def test_a_given_tile_sets_the_split_it_needs():
+    """A tile given in place of the table's keeps the table's rows of ``x`` and takes the split its
+    own grid needs: wider row blocks leave fewer programs, so K is split more."""
+    table = fp8_gemm_config(16, 4096, 14336, 132)
+    wide = fp8_gemm_config(16, 4096, 14336, 132, tile=(128, 256, 8, 4))
+    assert (wide.block_m, wide.block_n, wide.block_k, wide.num_warps, wide.num_stages) == (16, 128, 256, 8, 4)
+    assert wide.split_k == 2 * table.split_k
+    assert fp8_gemm_config(16, 4096, 14336, 132, split_k=1, tile=(128, 256, 8, 4)).split_k == 1
+
+
 def test_a_given_config_is_used():
     x, q, scale = operands(3, 48, 160, seed=4)
     cfg = Fp8GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1, split_k=2)
@@ -129,11 +162,13 @@ def test_a_given_config_is_used():
 
 
 @gpu
+@pytest.mark.parametrize("f16_dot", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 16, 64])
 @pytest.mark.parametrize("n,k", [(16384, 8192), (4096, 14336), (32768, 4096)])
-def test_the_compiled_kernel_is_its_twin_at_the_drafters_shapes(m, n, k):
+def test_the_compiled_kernel_is_its_twin_at_the_drafters_shapes(m, n, k, f16_dot):
     x, q, scale = operands(m, n, k, dtype=torch.bfloat16, seed=m)
-    assert_twin(fp8_gemm(x, q, scale), x, q, scale)
+    cfg = fp8_gemm_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, f16_dot=f16_dot)
+    assert_twin(fp8_gemm(x, q, scale, config=cfg), x, q, scale)
 
 
 @gpu
