@@ -461,7 +461,12 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
                     return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
                 # compiled during the capture's warm-up runs; its first replay is checked against
-                # the compiled function run eagerly, as the worker checks its graph
+                # the compiled function run eagerly, as the worker checks its graph. Dynamo's caches
+                # are cleared first: the frames after the graph break are compiled per level shape,
+                # and four variants' shapes in one process pass its recompile limit (8), past which
+                # it runs them eagerly inside the "compiled" step
+                if name == "compiled_graph":
+                    torch._dynamo.reset()
                 graphed = GraphedBeam(torch.compile(body, dynamic=False) if name == "compiled_graph" else body)
 
                 def graph_step(graphed=graphed):
