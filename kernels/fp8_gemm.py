@@ -16,8 +16,8 @@ the matrix is fp8, read at one byte per entry:
   bf16 product reads e4m3 at 2.1 TB/s at best, bf16 ``F.linear`` its matrix at up to 4.2), and
   ``x``'s tile, a quarter of ``W``'s or less, is the one converted instead,
   clamped to fp16's range (exact for bf16 values of magnitude 2^-14 to 65504; beyond, the drafts
-  change, never the verified output). Chosen per shape by measurement (``bench.kernels --mode
-  fp8-gemm --tune``);
+  change, never the verified output). Taken where a config asks for it; the fixed table keeps the
+  bf16 product (``bench.kernels --mode fp8-gemm --tune`` times both per shape);
 * a row's scale multiplies its float32 sum once, after the K loop (``sum_k q[n, k] x[m, k]`` times
   ``scale[n]``: the same value as dequantizing first, one multiply per output instead of per entry);
 * with few row blocks (a 4096-row matrix is 64 blocks for 132 SMs) K is split: each split writes

@@ -559,6 +559,11 @@ def step_table(contexts, trees, device, num_layers, rows: List[Dict], profile_di
 FP8_SHAPES = ((16384, 8192), (32768, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
 
 
+def relative_error(out: torch.Tensor, twin: torch.Tensor) -> float:
+    """``|out - twin| / |twin|`` (Frobenius), in float32: an fp8 GEMM against its float32 twin."""
+    return ((out.float() - twin).norm() / twin.norm()).item()
+
+
 def fp8_gemm_table(row_counts, device, rows: list[dict]) -> None:
     """Each drafter matrix times ``m`` rows: bf16 ``F.linear`` against the weight-only fp8 GEMM,
     both replayed from CUDA graphs (as the drafters run them); GB/s is the matrix's bytes (bf16:
@@ -578,7 +583,7 @@ def fp8_gemm_table(row_counts, device, rows: list[dict]) -> None:
             bf16_us, m1 = time_graph_us(lambda x=x, w=w: F.linear(x, w))
             fp8_us, m2 = time_graph_us(lambda x=x, q=q, scale=scale: fp8_gemm(x, q, scale))
             twin = reference_linear(x.float(), q, scale)
-            err = ((fp8_gemm(x, q, scale).float() - twin).norm() / twin.norm()).item()
+            err = relative_error(fp8_gemm(x, q, scale), twin)
             cfg = fp8_gemm_config(m, n, k, num_sms(x.device))
             bf16_gbs, fp8_gbs = 2 * n * k / bf16_us / 1e3, (n * k + 4 * n) / fp8_us / 1e3
             row = {"table": "fp8_gemm", "m": m, "n": n, "k": k, "bf16_us": bf16_us, "fp8_us": fp8_us,
@@ -621,8 +626,8 @@ def fp8_tune(row_counts, device, rows: list[dict]) -> None:
             x = torch.randn(m, k, device=device, dtype=DTYPE, generator=g)
             twin = reference_linear(x.float(), q, scale)
             bf16_us, _ = time_graph_us(lambda x=x, w=w: torch.nn.functional.linear(x, w), flush_l2=True)
-            rows.append({"table": "fp8_tune", "m": m, "n": n, "k": k, "bf16_us": bf16_us,
-                         "bf16_GBps": 2 * n * k / 1e3 / bf16_us})
+            bf16_gbs = 2 * n * k / 1e3 / bf16_us
+            rows.append({"table": "fp8_tune", "m": m, "n": n, "k": k, "bf16_us": bf16_us, "bf16_GBps": bf16_gbs})
             default = fp8_gemm_config(m, n, k, sms)
             tries = [default]
             for tile in FP8_TUNE_TILES:
@@ -635,7 +640,7 @@ def fp8_tune(row_counts, device, rows: list[dict]) -> None:
             results = []
             for cfg in tries:
                 try:
-                    err = ((fp8_gemm(x, q, scale, config=cfg).float() - twin).norm() / twin.norm()).item()
+                    err = relative_error(fp8_gemm(x, q, scale, config=cfg), twin)
                     us, mode = time_graph_us(lambda cfg=cfg: fp8_gemm(x, q, scale, config=cfg), flush_l2=True)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit (shared memory, registers)
                     rows.append({"table": "fp8_tune", "m": m, "n": n, "k": k, "config": dataclasses.asdict(cfg),
@@ -652,7 +657,7 @@ def fp8_tune(row_counts, device, rows: list[dict]) -> None:
             base_row = next((r for r in results if r["default"]), None)
             base_txt = f"{base_row['us']:7.1f} us {base_row['GBps']:5.0f} GB/s" if base_row else "failed"
             c = best["config"]
-            print(f"{n:6d} x {k:5d} m {m:3d} | bf16 {bf16_us:7.1f} us {2 * n * k / 1e3 / bf16_us:5.0f} GB/s "
+            print(f"{n:6d} x {k:5d} m {m:3d} | bf16 {bf16_us:7.1f} us {bf16_gbs:5.0f} GB/s "
                   f"| table {base_txt} | best {best['us']:7.1f} us {best['GBps']:5.0f} GB/s "
                   f"(n {c['block_n']} k {c['block_k']} w {c['num_warps']} s {c['num_stages']} split {c['split_k']}"
                   f"{' f16' if c['f16_dot'] else ''}) "

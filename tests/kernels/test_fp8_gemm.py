@@ -86,7 +86,8 @@ def test_the_fp16_product_clamps_activations_beyond_fp16():
     cfg = fp8_gemm_config(4, 64, 128, 8, f16_dot=True)
     out = fp8_gemm(x, q, scale, config=cfg)
     assert torch.isfinite(out).all()
-    assert_twin(out, x.clamp(-65504, 65504), q, scale)
+    clamped = reference_linear(x.float().clamp(-65504, 65504), q, scale)  # in float32: 65504 is no bf16
+    torch.testing.assert_close(out.float(), clamped, rtol=RTOL[torch.bfloat16], atol=1e-5 * clamped.abs().max().item())
     assert_twin(fp8_gemm(x, q, scale), x, q, scale)
 
 
