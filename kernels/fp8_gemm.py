@@ -33,6 +33,8 @@ capture takes from its graph pool). The PyTorch twin is
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +70,19 @@ _TILES = (
 )
 
 _SMS: dict[int, int] = {}  # CUDA device index -> SM count
+_F16_DOT = [False]  # the product the table gives bf16 activations (see table_product)
+
+
+@contextmanager
+def table_product(f16_dot: bool) -> Iterator[None]:
+    """Within the block, configs taken from the table (:func:`fp8_gemm_config` without ``f16_dot``)
+    run the product in fp16 (``True``) or in bf16: how a benchmark times a whole drafter step, its
+    CUDA graph captured inside the block, with either product. Not thread-safe, not for the product."""
+    before, _F16_DOT[0] = _F16_DOT[0], f16_dot
+    try:
+        yield
+    finally:
+        _F16_DOT[0] = before
 
 
 def num_sms(device: torch.device) -> int:
@@ -81,12 +96,15 @@ def num_sms(device: torch.device) -> int:
 
 
 def fp8_gemm_config(m: int, n: int, k: int, sms: int, split_k: int | None = None,
-                    tile: tuple[int, int, int, int] | None = None, f16_dot: bool = False) -> Fp8GemmConfig:
+                    tile: tuple[int, int, int, int] | None = None, f16_dot: bool | None = None) -> Fp8GemmConfig:
     """The tiles for ``m`` rows of ``x`` and an ``n x k`` matrix, and the K split: doubled while the
     grid has fewer than 1.5 programs per SM and each split keeps :data:`MIN_SPLIT_STEPS` K steps
     (a 4096 x 14336 matrix: 64 row blocks, 4 splits; 14336 or more rows: no split). ``split_k``
     overrides the split; ``tile`` (``block_n, block_k, num_warps, num_stages``) the table's tile
-    for ``W`` (the split then follows from it); ``f16_dot`` the product's dtype (module docstring)."""
+    for ``W`` (the split then follows from it); ``f16_dot`` the product's dtype (module docstring;
+    ``None``: the table's, the bf16 product unless :func:`table_product` says otherwise)."""
+    if f16_dot is None:
+        f16_dot = _F16_DOT[0]
     for limit, bm, bn, bk, warps, stages in _TILES:
         if limit is None or m <= limit:
             break

@@ -29,7 +29,8 @@ the peer), ``--algorithms`` in turn:
    Triton prefix kernel (what the worker runs on a GPU) and through its PyTorch twin, next to the
    plain decode step at that context; with the full head and with a reduced draft vocabulary
    (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only);
-   with ``--drafter-weights bf16 fp8`` also with the block and head in fp8 (keys prefixed ``fp8_``).
+   with ``--drafter-weights bf16 fp8`` also with the block and head in fp8 (keys prefixed ``fp8_``;
+   ``fp8-f16``: fp8 with the GEMM's product in fp16, :func:`~sgl_longgen.kernels.fp8_gemm.table_product`).
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
@@ -39,7 +40,7 @@ the peer), ``--algorithms`` in turn:
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms LONGSPEC
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-draft-vocab 32768
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --drafter-weights bf16 fp8
-    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8
+    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8 fp8-f16
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-compile
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms OWL --draft-tokens 32 \
         --drafter-tree-size 15 --spec-drafter-weights fp8  # a narrower OWL tree (32 verify rows), fp8 drafter
@@ -56,6 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..kernels.fp8_gemm import table_product
 from ..sglang.engine import open_engine
 from .engine_bench import first_difference, top2_gap
 from ..sglang.host_profile import PROFILE_ENV, PROFILE_PARAM
@@ -174,6 +176,18 @@ def greedy(n: int, **extra) -> dict:
     return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
 
 
+def timed_request(n: int, args, spec: bool = False) -> dict:
+    """A request of the end-to-end timing. ``--timed-sampling greedy``: greedy, the product's own
+    steps (dummy weights loop, so drafts are often accepted); ``sampled``: temperature 1, our
+    methods' speculation forced on every step. Dummy weights' flat distributions then accept
+    (almost) no draft, so every token costs one whole speculative step: ms/token is ms/step, the
+    figure a verify path is judged by (tau is reported beside it)."""
+    if args.timed_sampling == "greedy":
+        return greedy(n)
+    forced = {"custom_params": {"longgen_speculation": "on"}} if spec and args.algorithm != "NGRAM" else {}
+    return {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1234, **forced}
+
+
 def timed(n: int, mode: str) -> dict:
     """Greedy sampling for a request whose steps our workers time (``mode``: host or sync)."""
     # Every step commits a token at least: n steps bound the series of an n-token request.
@@ -283,7 +297,7 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, pro
     if n is not None:
         drafter.set_token_map(torch.randperm(vocab)[:n].sort().values)
     drafter = drafter.to("cuda", torch.bfloat16).eval()
-    if weights == "fp8":
+    if weights.startswith("fp8"):
         quantize_fp8(drafter)
     h = torch.randn(1, d0, device="cuda", dtype=torch.bfloat16)
     root = torch.tensor([1234], device="cuda")
@@ -370,25 +384,26 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         return torch.nn.functional.linear(h, head_weight)
 
     token_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values if reduced else None
-    variants = {}  # key prefix -> (drafter, its head)
+    variants = {}  # key prefix -> (drafter, its head, the fp8 GEMM's fp16 product)
     for setting in weights:
-        fp8 = setting == "fp8"
+        fp8, f16 = setting.startswith("fp8"), setting == "fp8-f16"
         prefix = f"{setting}_" if fp8 else ""
         block = quantize_fp8(copy.deepcopy(drafter)) if fp8 else drafter
-        variants[prefix] = (block, draft_head(block, head_weight, full_head, fp8))
+        variants[prefix] = (block, draft_head(block, head_weight, full_head, fp8), f16)
         if reduced:
             small = drafter.with_token_map(token_map.to(dev))
             if fp8:
                 quantize_fp8(small)
-            variants[f"{prefix}reduced_"] = (small, draft_head(small, head_weight, full_head, fp8))
+            variants[f"{prefix}reduced_"] = (small, draft_head(small, head_weight, full_head, fp8), f16)
     for L in contexts:
         rows = [torch.randperm(slots, device=dev)[:L].to(torch.int32) for _ in range(batch)]
         tokens = torch.randint(0, vocab, (L + 1,), generator=gen).tolist()
         row: dict = {}
-        for prefix, (drafter, head) in variants.items():
-            _time_beams(row, prefix, drafter, embed, head, rope, rows, tokens, L, batch, window,
-                        (k_buffer, v_buffer), max(contexts), dev,
-                        None if profile_dir is None else profile_dir / f"longspec-{prefix or 'full_'}{L}", compiled)
+        for prefix, (drafter, head, f16) in variants.items():
+            with table_product(f16):  # every graph of the variant captured with its product
+                _time_beams(row, prefix, drafter, embed, head, rope, rows, tokens, L, batch, window,
+                            (k_buffer, v_buffer), max(contexts), dev,
+                            None if profile_dir is None else profile_dir / f"longspec-{prefix or 'full_'}{L}", compiled)
         out[str(L)] = row
         del rows
     return out
@@ -531,7 +546,7 @@ def phase_plain(args, model: Path, prompts, long_prompts, report: dict) -> None:
         plain.generate(input_ids=prompt, sampling_params=greedy(1))  # warm-up: first prefill of this length
         for n in (1, args.timed_tokens + 1):
             t = time.time()
-            plain.generate(input_ids=prompt, sampling_params=greedy(n))
+            plain.generate(input_ids=prompt, sampling_params=timed_request(n, args))
             times[n] = time.time() - t
         ar[str(L)] = (times[args.timed_tokens + 1] - times[1]) / args.timed_tokens * 1e3
         print(f"plain decode at {L}: {ar[str(L)]:.2f} ms/token", flush=True)
@@ -543,6 +558,8 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     if "plain_outputs" not in report:
         raise SystemExit("run --phase plain first (same --out)")
     tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
+    if args.algorithm == "NGRAM" and args.draft_tokens != 16:  # SGLang's NGRAM at another verify width
+        tag += f"_d{args.draft_tokens}"
     result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
                     "cuda_graph": not args.no_cuda_graph}
     if args.algorithm in ("OWL", "HOWL", "LONGSPEC"):
@@ -578,10 +595,10 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
         spec.generate(input_ids=prompt, sampling_params=greedy(1))
         prefill_s = time.time() - t
         t = time.time()
-        out = spec.generate(input_ids=prompt, sampling_params=greedy(args.timed_tokens + 1))
+        out = spec.generate(input_ids=prompt, sampling_params=timed_request(args.timed_tokens + 1, args, True))
         first_s = time.time() - t
         t = time.time()
-        out = spec.generate(input_ids=prompt, sampling_params=greedy(2 * args.timed_tokens + 1))
+        out = spec.generate(input_ids=prompt, sampling_params=timed_request(2 * args.timed_tokens + 1, args, True))
         second_s = time.time() - t
         # Untimed requests (timing is per request and off by default): the product's steps. The
         # headline rate is the whole request less its prefill, per token: request setup (indexing
@@ -688,7 +705,8 @@ def phase_owl(args, report: dict) -> None:
     rows = []
     for width in args.owl_width:
         for weights in args.drafter_weights:
-            r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile, weights)
+            with table_product(weights == "fp8-f16"):  # the fp8 GEMM's product while graphs are captured
+                r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile, weights)
             r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
             for name in OWL_BEAMS[1:]:
                 if f"{name}_ms" in r:
@@ -751,6 +769,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 98304])
     p.add_argument("--timed-tokens", type=int, default=256)
+    p.add_argument("--timed-sampling", choices=("greedy", "sampled"), default="greedy",
+                   help="end-to-end timing: greedy, or temperature 1 with speculation on every step (ms/token = "
+                        "ms/step on dummy weights)")
     p.add_argument("--budget", type=int, default=4096, help="partial KV budget B")
     p.add_argument("--partial-kv-policy", choices=("tokenswift", "verify"), default="tokenswift",
                    help="TOKENSWIFT's partial-KV selection ([tokenswift.partial_kv] policy of the heads' longgen.toml)")
@@ -794,9 +815,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
                         "token map (0: the full head only)")
-    p.add_argument("--drafter-weights", nargs="+", choices=("bf16", "fp8"), default=["bf16"],
+    p.add_argument("--drafter-weights", nargs="+", choices=("bf16", "fp8", "fp8-f16"), default=["bf16"],
                    help="--phase owl / longspec: time the drafter with these weight settings, side by side (fp8: "
-                        "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\")")
+                        "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\"; fp8-f16: the same, "
+                        "the fp8 GEMM's product in fp16)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="--phase owl / longspec: the graphed drafters' per-kernel totals into DIR")
     return p

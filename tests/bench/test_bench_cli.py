@@ -56,6 +56,21 @@ def test_timed_requests_ask_for_timing():
     assert "custom_params" not in gpu_check.greedy(128)  # untimed: the product's steps
 
 
+def test_sampled_timing_forces_speculation_on_our_methods_only():
+    import argparse
+
+    def args(sampling, algorithm=None):
+        return argparse.Namespace(timed_sampling=sampling, algorithm=algorithm)
+
+    assert gpu_check.timed_request(9, args("greedy", "TOKENSWIFT"), spec=True) == gpu_check.greedy(9)
+    ours = gpu_check.timed_request(9, args("sampled", "TOKENSWIFT"), spec=True)
+    assert ours["temperature"] == 1.0 and ours["max_new_tokens"] == 9
+    assert ours["custom_params"] == {"longgen_speculation": "on"}  # else the controller would turn it off
+    for request in (gpu_check.timed_request(9, args("sampled", "NGRAM"), spec=True),  # SGLang's worker
+                    gpu_check.timed_request(9, args("sampled"))):  # plain decoding
+        assert request["temperature"] == 1.0 and "custom_params" not in request
+
+
 # Five timed steps of one request, at the positions of the first token each committed (token 0
 # came from the prefill). The first step is the warm-up; the fifth has no GPU spans.
 POSITIONS = [1, 3, 6, 8, 9]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_longgen.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, fp8_gemm_config
+from sgl_longgen.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, fp8_gemm_config, table_product
 
 from sgl_longgen.core.fp8 import (
     Fp8Linear,
@@ -140,6 +140,19 @@ def test_the_table_picks_tiles_by_rows_and_splits_only_short_grids():
     assert fp8_gemm_config(1, 64, 2048, 132, split_k=3).split_k == 3
     with pytest.raises(ValueError, match="split_k"):
         fp8_gemm_config(1, 64, 2048, 132, split_k=0)
+
+
+def test_table_product_switches_the_tables_product_inside_its_block_only():
+    """A benchmark's whole-step timing with the fp16 product: configs from the table take it inside
+    the block, an explicit ``f16_dot`` wins, and the bf16 product comes back after (also on error)."""
+    assert not fp8_gemm_config(16, 4096, 4096, 132).f16_dot
+    with table_product(True):
+        assert fp8_gemm_config(16, 4096, 4096, 132).f16_dot
+        assert not fp8_gemm_config(16, 4096, 4096, 132, f16_dot=False).f16_dot
+    assert not fp8_gemm_config(16, 4096, 4096, 132).f16_dot
+    with pytest.raises(RuntimeError), table_product(True):
+        raise RuntimeError
+    assert not fp8_gemm_config(16, 4096, 4096, 132).f16_dot
 
 
 def test_a_given_tile_sets_the_split_it_needs():
