@@ -11,13 +11,13 @@ the matrix is fp8, read at one byte per entry:
   values) and accumulates ``W_tile @ x_tile.T`` in float32. ``W``'s rows are the product's rows
   (the tensor cores' wide side) and ``x``'s few rows its columns, padded to 16 by masked loads, so
   ``x`` is never copied;
-* with ``f16_dot`` (bf16 activations only), the tile of ``W`` becomes fp16 and the product runs in
-  fp16: Hopper converts a pair of e4m3 to fp16 in one instruction, to bf16 in more (on an H200 the
-  bf16 product reads e4m3 at 2.1 TB/s at best, bf16 ``F.linear`` its matrix at up to 4.2), and
-  ``x``'s tile, a quarter of ``W``'s or less, is the one converted instead,
-  clamped to fp16's range (exact for bf16 values of magnitude 2^-14 to 65504; beyond, the drafts
-  change, never the verified output). Taken where a config asks for it; the fixed table keeps the
-  bf16 product (``bench.kernels --mode fp8-gemm --tune`` times both per shape);
+* with ``f16_dot`` (bf16 activations only; the table's choice), the tile of ``W`` becomes fp16 and
+  the product runs in fp16, ``x``'s tile (a quarter of ``W``'s or less) converted instead and clamped
+  to fp16's range: exact for bf16 values of magnitude 2^-14 to 65504; beyond, the drafts change,
+  never the verified output. Measured on an H200 (``bench.kernels --mode fp8-gemm --tune``, the
+  LongSpec matrices at 4 and 16 rows): the fp16 product reads e4m3 at up to 2.4 TB/s, the bf16
+  product at up to 2.1 (Hopper converts a pair of e4m3 to fp16 in one instruction, to bf16 in
+  more), 10-20% less time a matrix and 14% off LongSpec's compiled draft step;
 * a row's scale multiplies its float32 sum once, after the K loop (``sum_k q[n, k] x[m, k]`` times
   ``scale[n]``: the same value as dequantizing first, one multiply per output instead of per entry);
 * with few row blocks (a 4096-row matrix is 64 blocks for 132 SMs) K is split: each split writes
@@ -70,14 +70,15 @@ _TILES = (
 )
 
 _SMS: dict[int, int] = {}  # CUDA device index -> SM count
-_F16_DOT = [False]  # the product the table gives bf16 activations (see table_product)
+_F16_DOT = [True]  # the product the table gives bf16 activations (see table_product)
 
 
 @contextmanager
 def table_product(f16_dot: bool) -> Iterator[None]:
     """Within the block, configs taken from the table (:func:`fp8_gemm_config` without ``f16_dot``)
-    run the product in fp16 (``True``) or in bf16: how a benchmark times a whole drafter step, its
-    CUDA graph captured inside the block, with either product. Not thread-safe, not for the product."""
+    run the product in fp16 (``True``, the table's own choice) or in bf16: how a benchmark times a
+    whole drafter step, its CUDA graph captured inside the block, with either product. Not
+    thread-safe, not for the product."""
     before, _F16_DOT[0] = _F16_DOT[0], f16_dot
     try:
         yield
@@ -102,7 +103,7 @@ def fp8_gemm_config(m: int, n: int, k: int, sms: int, split_k: int | None = None
     (a 4096 x 14336 matrix: 64 row blocks, 4 splits; 14336 or more rows: no split). ``split_k``
     overrides the split; ``tile`` (``block_n, block_k, num_warps, num_stages``) the table's tile
     for ``W`` (the split then follows from it); ``f16_dot`` the product's dtype (module docstring;
-    ``None``: the table's, the bf16 product unless :func:`table_product` says otherwise)."""
+    ``None``: the table's, the fp16 product unless :func:`table_product` says otherwise)."""
     if f16_dot is None:
         f16_dot = _F16_DOT[0]
     for limit, bm, bn, bk, warps, stages in _TILES:

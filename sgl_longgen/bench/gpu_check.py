@@ -30,7 +30,7 @@ the peer), ``--algorithms`` in turn:
    plain decode step at that context; with the full head and with a reduced draft vocabulary
    (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only);
    with ``--drafter-weights bf16 fp8`` also with the block and head in fp8 (keys prefixed ``fp8_``;
-   ``fp8-f16``: fp8 with the GEMM's product in fp16, :func:`~sgl_longgen.kernels.fp8_gemm.table_product`).
+   ``fp8-bf16``: fp8 with the GEMM's product in bf16, :func:`~sgl_longgen.kernels.fp8_gemm.table_product`).
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
@@ -40,7 +40,7 @@ the peer), ``--algorithms`` in turn:
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms LONGSPEC
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-draft-vocab 32768
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --drafter-weights bf16 fp8
-    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8 fp8-f16
+    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8 fp8-bf16
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-compile
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms OWL --draft-tokens 32 \
         --drafter-tree-size 15 --spec-drafter-weights fp8  # a narrower OWL tree (32 verify rows), fp8 drafter
@@ -384,9 +384,9 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         return torch.nn.functional.linear(h, head_weight)
 
     token_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values if reduced else None
-    variants = {}  # key prefix -> (drafter, its head, the fp8 GEMM's fp16 product)
+    variants = {}  # key prefix -> (drafter, its head, the fp8 GEMM's product: fp16 or not)
     for setting in weights:
-        fp8, f16 = setting.startswith("fp8"), setting == "fp8-f16"
+        fp8, f16 = setting.startswith("fp8"), setting != "fp8-bf16"
         prefix = f"{setting}_" if fp8 else ""
         block = quantize_fp8(copy.deepcopy(drafter)) if fp8 else drafter
         variants[prefix] = (block, draft_head(block, head_weight, full_head, fp8), f16)
@@ -705,7 +705,7 @@ def phase_owl(args, report: dict) -> None:
     rows = []
     for width in args.owl_width:
         for weights in args.drafter_weights:
-            with table_product(weights == "fp8-f16"):  # the fp8 GEMM's product while graphs are captured
+            with table_product(weights != "fp8-bf16"):  # the fp8 GEMM's product while graphs are captured
                 r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile, weights)
             r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
             for name in OWL_BEAMS[1:]:
@@ -815,10 +815,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
                         "token map (0: the full head only)")
-    p.add_argument("--drafter-weights", nargs="+", choices=("bf16", "fp8", "fp8-f16"), default=["bf16"],
+    p.add_argument("--drafter-weights", nargs="+", choices=("bf16", "fp8", "fp8-bf16"), default=["bf16"],
                    help="--phase owl / longspec: time the drafter with these weight settings, side by side (fp8: "
-                        "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\"; fp8-f16: the same, "
-                        "the fp8 GEMM's product in fp16)")
+                        "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\"; fp8-bf16: the same, "
+                        "the fp8 GEMM's product in bf16, not the table's fp16)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="--phase owl / longspec: the graphed drafters' per-kernel totals into DIR")
     return p
