@@ -63,11 +63,15 @@ score rows): at T=16 Triton with scores took 26/61/131 us at 4K/32K/98K against 
 with 32/8 heads (28/4: 35/57/124 against 34/95/222); at T=64 FA3 stayed ahead (339 against 426 us
 at 98K)."""
 
-CASCADE_TRITON_MAX_TREE = 1
-"""With a cascade, "auto" takes the Triton path up to this tree size: one KV range for the whole
-batch's rows over the shared slots, merged in the same pass as the own parts, against FA3's two
-launches and a separate merge. Measured per layer (H200, graphed, 8 requests sharing a 32K prompt):
-at T=1 Triton's cascade took 62 us against FA3's 72; at T=4 FA3's was ahead (78 against 88)."""
+ONE_ROW_TRITON_MAX_TREE = 1
+"""Up to this tree size (one row per request) the "auto" rule takes the Triton path, with or
+without a cascade. Measured per layer (H200, graphed, L2 flushed, d=128): without a cascade Triton
+took 22.3 us against FA3's 23.7 at 4K with 32/8 heads, 20.0 against 21.8 at 4K and 37.5 against
+41.2 at 32K with 28/4, 73.2 against 75.6 at 98K with 28/4; FA3 was ahead only at 98K with 32/8, by
+4% (118.5 against 123.2), within the 5% a path may trail. A cascade of 8 requests sharing a 32K
+prompt: Triton's took 62 us against FA3's 72 (one KV range for the whole batch's rows over the
+shared slots, merged in the same pass as the own parts, against FA3's two launches and a separate
+merge); at T=4 FA3's was ahead (78 against 88)."""
 
 
 class HybridTreeAttention:
@@ -304,11 +308,9 @@ class HybridTreeAttention:
         return "flashinfer_fold" if need <= limit else "triton"
 
     def _triton_measured_faster(self, tree_size: int, score_rows: int) -> bool:
-        """Where the Triton path was measured ahead of FA3's: a cascade of few rows
-        (:data:`CASCADE_TRITON_MAX_TREE`), selection scores on a small tree (:data:`SCORED_TRITON_MAX_TREE`)."""
-        if self.cascade:
-            return tree_size <= CASCADE_TRITON_MAX_TREE
-        return bool(score_rows) and tree_size <= SCORED_TRITON_MAX_TREE
+        """Where the Triton path was measured ahead of FA3's: one row per request
+        (:data:`ONE_ROW_TRITON_MAX_TREE`), selection scores on a small tree (:data:`SCORED_TRITON_MAX_TREE`)."""
+        return tree_size <= ONE_ROW_TRITON_MAX_TREE or (bool(score_rows) and tree_size <= SCORED_TRITON_MAX_TREE)
 
     def _fa3_prefix(self) -> Fa3Prefix:
         if self._fa3 is None:

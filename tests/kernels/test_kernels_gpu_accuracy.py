@@ -246,6 +246,23 @@ def test_auto_path_with_selection_scores(tree_size):
                      prefix_lens_host=lens) == "fa3"
 
 
+def test_auto_path_of_one_row_is_triton():
+    """A one-row tree without a cascade takes Triton's path under "auto" (measured ahead of FA3's
+    or within 5% of it at every context), its output FA3's within the bf16 bound."""
+    if not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("FA3 needs a Hopper GPU and sgl_kernel's flash_ops")
+    lens = [4095, 1000]
+    batch = make_batch(lens, 1, HQ, HKV, D, torch.bfloat16, seed=11)
+    outs = {}
+    for backend in ("auto", "fa3"):
+        attn = HybridTreeAttention(HQ, HKV, D, "cuda", prefix_backend=backend)
+        path = attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
+                         q_dtype=torch.bfloat16, prefix_lens_host=lens)
+        assert path == ("triton" if backend == "auto" else "fa3")
+        outs[backend] = attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree)
+    assert max_err(outs["auto"], outs["fa3"]) <= ACCEPT
+
+
 @pytest.mark.parametrize("tree_size", [1, 4])
 def test_auto_path_of_a_cascade(tree_size):
     """A cascade takes Triton's path at one row per request (one KV range for the batch, merged in
@@ -253,7 +270,7 @@ def test_auto_path_of_a_cascade(tree_size):
     if not fa3_supported(D, torch.bfloat16, torch.bfloat16, torch.device("cuda")):
         pytest.skip("FA3 needs a Hopper GPU and sgl_kernel's flash_ops")
     from kernel_cases import make_shared_batch
-    from sgl_longgen.kernels.hybrid import CASCADE_TRITON_MAX_TREE
+    from sgl_longgen.kernels.hybrid import ONE_ROW_TRITON_MAX_TREE
 
     own = [0, 5, 300, 17]
     batch = make_shared_batch(4096, own, tree_size, HQ, HKV, D, torch.bfloat16, seed=3)
@@ -261,7 +278,7 @@ def test_auto_path_of_a_cascade(tree_size):
     attn = HybridTreeAttention(HQ, HKV, D, "cuda")
     path = attn.plan(batch.kv_indptr, batch.kv_indices, batch.tree_mask, sm_scale=batch.sm_scale,
                      q_dtype=torch.bfloat16, prefix_lens_host=[4096 + n for n in own], shared_prefix_len=4096)
-    assert attn.cascade and path == ("triton" if tree_size <= CASCADE_TRITON_MAX_TREE else "fa3")
+    assert attn.cascade and path == ("triton" if tree_size <= ONE_ROW_TRITON_MAX_TREE else "fa3")
     out = nan_like(batch.q)
     attn.run(batch.q, batch.k_buffer, batch.v_buffer, batch.k_tree, batch.v_tree, out=out)
     assert max_err(out, batch.reference()[0]) <= ACCEPT
