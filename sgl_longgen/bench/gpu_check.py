@@ -9,8 +9,10 @@ the peer), ``--algorithms`` in turn:
    at the first differing position is reported (dummy weights give flat distributions; a
    difference at a bf16-level near-tie is kernel rounding, not the method);
 2. step-time breakdown at each ``--contexts`` length: the end-to-end time per generated token
-   (an untimed request of ``2T`` tokens less its prefill, ``T = --timed-tokens``) and its speedup
-   over plain decoding, then timed requests of ``--step-detail`` tokens, one in each ``--detail-modes``
+   (an untimed request of ``2T`` tokens less its prefill, ``T = --timed-tokens``; greedy, or with
+   ``--timed-sampling sampled`` at temperature 1 with our methods' speculation forced on, where
+   dummy weights accept almost nothing and ms/token is ms per step) and its speedup over plain
+   decoding, then timed requests of ``--step-detail`` tokens, one in each ``--detail-modes``
    mode (``custom_params={"longgen_timing": MODE}``: our workers time only the steps of requests
    that ask, and report them in ``meta_info``; see :mod:`sgl_longgen.sglang.timing`). ``host``:
    undisturbed host times plus the forwards' GPU spans, whence draft / verify / overhead ms per
