@@ -59,7 +59,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..kernels.fp8_gemm import table_product
 from ..sglang.engine import open_engine
 from .engine_bench import first_difference, top2_gap
 from ..sglang.host_profile import PROFILE_ENV, PROFILE_PARAM
@@ -359,6 +358,7 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         quantize_fp8,
         rope_tables,
     )
+    from ..kernels.fp8_gemm import table_product
     from ..runtime.model import ModelConfig, rope_inv_freq
 
     dev, dt = torch.device(device), torch.bfloat16
@@ -700,6 +700,8 @@ OWL_BEAMS = ("eager", "graph", "fused_graph", "compiled_graph")
 def phase_owl(args, report: dict) -> None:
     """Each width's beams at each ``--drafter-weights`` setting; the report's key is
     ``WIDTHxVOCAB`` for bf16 (as ever) and ``WIDTHxVOCAB-fp8`` for fp8."""
+    from ..kernels.fp8_gemm import table_product
+
     first = str(args.contexts[0])
     ar_ms = report.get("ar_step_ms", {}).get(first, float("nan"))
     vocab = LLAMA_8B["vocab_size"]

@@ -48,6 +48,16 @@ def test_help_exits_0_and_shows_the_new_invocation(tool):
         assert "--detail-modes" in proc.stdout
 
 
+def test_importing_gpu_check_defines_no_kernel():
+    """The suite imports this module while collecting, before tests/kernels' conftest chooses the
+    Triton interpreter: a kernel defined at that point would be compiled-mode for every later test."""
+    code = ("import sys, sgl_longgen.bench.gpu_check; "
+            "print(sorted(m for m in sys.modules if m.startswith('sgl_longgen.kernels')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
 def test_timed_requests_ask_for_timing():
     params = gpu_check.timed(128, "host")
     assert params["custom_params"] == {TIMING_PARAM: "host", STEPS_PARAM: 128}
