@@ -59,6 +59,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..config import SPECULATIVE_ALGORITHMS
 from ..sglang.engine import open_engine
 from .engine_bench import first_difference, top2_gap
 from ..sglang.host_profile import PROFILE_ENV, PROFILE_PARAM
@@ -173,6 +174,12 @@ def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:
     return open_engine(**kw)
 
 
+# --drafter-weights: setting -> (matrices in fp8, the fp8 GEMM's product in fp16 (its table's own))
+DRAFTER_WEIGHTS = {"bf16": (False, True), "fp8": (True, True), "fp8-bf16": (True, False)}
+NGRAM_DRAFT_TOKENS = 16  # SGLang NGRAM's verify width unless --ngram-draft-tokens says otherwise
+OURS = frozenset(SPECULATIVE_ALGORITHMS.values())  # the algorithms our plugin registers
+
+
 def greedy(n: int, **extra) -> dict:
     return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
 
@@ -185,7 +192,7 @@ def timed_request(n: int, args, spec: bool = False) -> dict:
     figure a verify path is judged by (tau is reported beside it)."""
     if args.timed_sampling == "greedy":
         return greedy(n)
-    forced = {"custom_params": {"longgen_speculation": "on"}} if spec and args.algorithm != "NGRAM" else {}
+    forced = {"custom_params": {"longgen_speculation": "on"}} if spec and args.algorithm in OURS else {}
     return {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1234, **forced}
 
 
@@ -298,7 +305,7 @@ def owl_drafter_ms(width: int, draft_vocab: int = 0, compiled: bool = False, pro
     if n is not None:
         drafter.set_token_map(torch.randperm(vocab)[:n].sort().values)
     drafter = drafter.to("cuda", torch.bfloat16).eval()
-    if weights.startswith("fp8"):
+    if DRAFTER_WEIGHTS[weights][0]:
         quantize_fp8(drafter)
     h = torch.randn(1, d0, device="cuda", dtype=torch.bfloat16)
     root = torch.tensor([1234], device="cuda")
@@ -388,7 +395,7 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     token_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values if reduced else None
     variants = {}  # key prefix -> (drafter, its head, the fp8 GEMM's product: fp16 or not)
     for setting in weights:
-        fp8, f16 = setting.startswith("fp8"), setting != "fp8-bf16"
+        fp8, f16 = DRAFTER_WEIGHTS[setting]
         prefix = f"{setting}_" if fp8 else ""
         block = quantize_fp8(copy.deepcopy(drafter)) if fp8 else drafter
         variants[prefix] = (block, draft_head(block, head_weight, full_head, fp8), f16)
@@ -560,7 +567,7 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
     if "plain_outputs" not in report:
         raise SystemExit("run --phase plain first (same --out)")
     tag = f"{args.algorithm.lower()}_{args.attention_backend or 'default'}" + ("_eager" if args.no_cuda_graph else "")
-    if args.algorithm == "NGRAM" and args.draft_tokens != 16:  # SGLang's NGRAM at another verify width
+    if args.algorithm == "NGRAM" and args.draft_tokens != NGRAM_DRAFT_TOKENS:  # SGLang's NGRAM at another width
         tag += f"_d{args.draft_tokens}"
     result: dict = {"algorithm": args.algorithm, "attention_backend": args.attention_backend,
                     "cuda_graph": not args.no_cuda_graph}
@@ -709,7 +716,7 @@ def phase_owl(args, report: dict) -> None:
     rows = []
     for width in args.owl_width:
         for weights in args.drafter_weights:
-            with table_product(weights != "fp8-bf16"):  # the fp8 GEMM's product while graphs are captured
+            with table_product(DRAFTER_WEIGHTS[weights][1]):  # the fp8 GEMM's product while graphs are captured
                 r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile, weights)
             r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
             for name in OWL_BEAMS[1:]:
@@ -797,7 +804,7 @@ def parser() -> argparse.ArgumentParser:
                         "them; default: the method's)")
     p.add_argument("--spec-drafter-weights", choices=("bf16", "fp8"), default="bf16",
                    help="spec phase, OWL/HOWL/LONGSPEC: the drafter's weights ([owl] / [longspec] weights)")
-    p.add_argument("--ngram-draft-tokens", type=int, default=16, help="speculative_num_draft_tokens of NGRAM")
+    p.add_argument("--ngram-draft-tokens", type=int, default=NGRAM_DRAFT_TOKENS, help="speculative_num_draft_tokens of NGRAM")
     p.add_argument("--no-cuda-graph", action="store_true", help="speculative engine without CUDA graphs")
     p.add_argument("--step-detail", type=int, default=128, metavar="TOKENS",
                    help="after the untimed runs at each context, a request of this many tokens per --detail-modes "
@@ -819,7 +826,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
                         "token map (0: the full head only)")
-    p.add_argument("--drafter-weights", nargs="+", choices=("bf16", "fp8", "fp8-bf16"), default=["bf16"],
+    p.add_argument("--drafter-weights", nargs="+", choices=tuple(DRAFTER_WEIGHTS), default=["bf16"],
                    help="--phase owl / longspec: time the drafter with these weight settings, side by side (fp8: "
                         "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\"; fp8-bf16: the same, "
                         "the fp8 GEMM's product in bf16, not the table's fp16)")
