@@ -130,14 +130,17 @@ def make_owl_drafter(root: Path, width: int, draft_vocab: int, config: dict = LL
     return out
 
 
-def set_drafter_defaults(draft: Path, algorithm: str, tree_size: int | None, weights: str) -> None:
+def set_drafter_defaults(draft: Path, algorithm: str, tree_size: int | None, weights: str,
+                         beam: str | None = None) -> None:
     """The spec phase's drafter settings in the drafter directory's ``longgen.toml`` (OWL and HOWL:
-    ``[owl]``, LONGSPEC: ``[longspec]``): the tree size (verify rows: see the method's config) and
-    the drafter's weights."""
+    ``[owl]``, LONGSPEC: ``[longspec]``): the tree size (verify rows: see the method's config), the
+    drafter's weights and how the worker runs its beam (``None``: the method's default)."""
     section = "longspec" if algorithm == "LONGSPEC" else "owl"
     lines = [f"[{section}]", f'weights = "{weights}"']
     if tree_size is not None:
         lines.append(f"tree_size = {tree_size}")
+    if beam is not None:
+        lines.append(f'beam = "{beam}"')
     (draft / "longgen.toml").write_text("\n".join(lines) + "\n")
 
 
@@ -476,19 +479,16 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
             if compiled:
                 plans["compiled_graph"] = plan
             for name, step_plan in plans.items():
-                def body(packed, indptr, step_plan=step_plan, opaque=name == "compiled_graph"):
+                def body(packed, indptr, step_plan=step_plan):
                     attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
-                    if opaque:  # inductor cannot re-generate the Triton prefix kernel: a graph break around it
-                        attend = torch.compiler.disable(attend)
                     beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed,
                                                 attend, step_plan)
                     return beam.tokens, beam.parents, beam.depths, beam.scores, broken
 
                 # compiled during the capture's warm-up runs; its first replay is checked against
                 # the compiled function run eagerly, as the worker checks its graph. Dynamo's caches
-                # are cleared first: the frames after the graph break are compiled per level shape,
-                # and four variants' shapes in one process pass its recompile limit (8), past which
-                # it runs them eagerly inside the "compiled" step
+                # are cleared first: every variant's step is a trace of its own, and the variants of
+                # one process would pass its recompile limit (8), past which it runs them eagerly
                 if name == "compiled_graph":
                     torch._dynamo.reset()
                 graphed = GraphedBeam(torch.compile(body, dynamic=False) if name == "compiled_graph" else body)
@@ -573,10 +573,12 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
                     "cuda_graph": not args.no_cuda_graph}
     if args.algorithm in ("OWL", "HOWL", "LONGSPEC"):
         tag += (f"_t{args.drafter_tree_size}" if args.drafter_tree_size else "") + (
-            f"_{args.spec_drafter_weights}" if args.spec_drafter_weights != "bf16" else "")
-        set_drafter_defaults(draft, args.algorithm, args.drafter_tree_size, args.spec_drafter_weights)
+            f"_{args.spec_drafter_weights}" if args.spec_drafter_weights != "bf16" else "") + (
+            f"_{args.spec_drafter_beam}" if args.spec_drafter_beam else "")
+        set_drafter_defaults(draft, args.algorithm, args.drafter_tree_size, args.spec_drafter_weights,
+                             args.spec_drafter_beam)
         result.update(drafter=draft.name, drafter_tree_size=args.drafter_tree_size,
-                      drafter_weights=args.spec_drafter_weights)
+                      drafter_weights=args.spec_drafter_weights, drafter_beam=args.spec_drafter_beam)
     profile_path = None
     if args.host_profile:
         profile_path = Path(tempfile.mkdtemp(prefix="longgen_host_profile_")) / "steps.prof"
@@ -802,6 +804,9 @@ def parser() -> argparse.ArgumentParser:
                    help="spec phase, OWL/HOWL/LONGSPEC: draft nodes per tree (the drafter directory's [owl] / "
                         "[longspec] tree_size; OWL verifies 2N + 2 rows with [SPEC], so --draft-tokens must hold "
                         "them; default: the method's)")
+    p.add_argument("--spec-drafter-beam", choices=("torch", "compiled", "fused"), default=None,
+                   help="spec phase, OWL/HOWL/LONGSPEC: the drafter directory's [owl] / [longspec] beam (LONGSPEC: "
+                        "torch or compiled; default: the method's)")
     p.add_argument("--spec-drafter-weights", choices=("bf16", "fp8"), default="bf16",
                    help="spec phase, OWL/HOWL/LONGSPEC: the drafter's weights ([owl] / [longspec] weights)")
     p.add_argument("--ngram-draft-tokens", type=int, default=NGRAM_DRAFT_TOKENS, help="speculative_num_draft_tokens of NGRAM")

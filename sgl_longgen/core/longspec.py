@@ -1067,7 +1067,8 @@ def _row_top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, k: i
         raise ValueError(f"the beam was planned for {plan.vocab} draft tokens but the head gave {logits.shape[-1]} "
                          "logits: pass draft_head(drafter, ...)")
     if plan.fused_topk and logits.is_cuda and h.dtype != torch.float64:
-        from ..kernels.longspec_topk import MAX_K, log_softmax_topk
+        from ..kernels.custom_ops import log_softmax_topk  # one node of a torch.compile'd step
+        from ..kernels.longspec_topk import MAX_K
 
         if k <= MAX_K:
             return log_softmax_topk(logits, k)

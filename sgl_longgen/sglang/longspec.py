@@ -196,7 +196,7 @@ def kernel_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, indptr: tor
     """The Triton prefix kernel over each request's slots ``indices[indptr[b]:indptr[b+1]]``: every
     query row of a KV head on each K/V tile, the prefix read once per level. Its launch shape depends
     only on the batch and the query rows, so a CUDA graph replays it with other slots."""
-    from ..kernels.prefix_attention import prefix_attention
+    from ..kernels.custom_ops import prefix_attention  # one node of a torch.compile'd step
 
     def attend(q: torch.Tensor) -> torch.Tensor:  # [B, T, H, D], token-major as the kernel reads it
         B, T, H, D = q.shape
@@ -328,9 +328,10 @@ class LongSpecDrafter(Drafter):
         # keeps addresses: SGLang may recast its table, the copy never moves).
         self._graphed = None
         self._graph_version = self.pool.version
+        self._compile = c.beam == "compiled"
         if env.device.type == "cuda":
             self.rope = FrozenRope(self.rope)
-            self._graphed = GraphedBeam(self._beam)
+            self._graphed = self._graph_of_step()
 
     def can_draft_ahead(self, key: tuple) -> bool:
         # The graphed step exists for this batch size (and the pool it holds): no capture ahead.
@@ -418,7 +419,7 @@ class LongSpecDrafter(Drafter):
         if self._graphed is None or not self._graphed.enabled:
             return None
         if self._graph_version != self.pool.version:
-            self._graphed = GraphedBeam(self._beam)
+            self._graphed = self._graph_of_step()
             self._graph_version = self.pool.version
         return self._graphed
 
@@ -455,6 +456,12 @@ class LongSpecDrafter(Drafter):
         if bool(broken.any()):
             raise AssertionError("the cut tree is not closed under ancestors")
         return beam
+
+    def _graph_of_step(self) -> GraphedBeam:
+        """The step's graphs; ``beam = "compiled"``: of the step ``torch.compile``d, traced during
+        the first capture's warm-up runs of each batch size, its kernels single nodes of the
+        trace (:mod:`sgl_longgen.kernels.custom_ops`)."""
+        return GraphedBeam(torch.compile(self._beam, dynamic=False) if self._compile else self._beam)
 
     def _beam(self, step, kv_indptr):
         """The graphed step's body: fixed shapes for a batch size; the ring pool, the batch size's

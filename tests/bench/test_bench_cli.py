@@ -179,8 +179,9 @@ def test_summary_has_one_row_per_run_and_context():
 
 
 def test_gpu_check_writes_the_spec_phases_drafter_settings(tmp_path):
-    """``--drafter-tree-size`` / ``--spec-drafter-weights`` reach the drafter directory as the
-    defaults its worker reads: OWL's 15-node trees verify 32 rows with [SPEC]."""
+    """``--drafter-tree-size`` / ``--spec-drafter-weights`` / ``--spec-drafter-beam`` reach the
+    drafter directory as the defaults its worker reads: OWL's 15-node trees verify 32 rows with
+    [SPEC]; LONGSPEC's compiled step."""
     from sgl_longgen.core.owl import verify_width
     from sgl_longgen.sglang.draft_dir import read_defaults
 
@@ -190,3 +191,7 @@ def test_gpu_check_writes_the_spec_phases_drafter_settings(tmp_path):
     gpu_check.set_drafter_defaults(tmp_path, "LONGSPEC", None, "bf16")
     defaults = read_defaults(tmp_path)
     assert defaults.longspec.weights == "bf16" and defaults.owl.tree_size == 30  # the section rewritten, OWL's gone
+    assert defaults.longspec.beam == "torch"
+    gpu_check.set_drafter_defaults(tmp_path, "LONGSPEC", None, "fp8", "compiled")
+    defaults = read_defaults(tmp_path).longspec
+    assert (defaults.weights, defaults.beam) == ("fp8", "compiled")

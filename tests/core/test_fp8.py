@@ -1,6 +1,7 @@
 """FP8 drafter matrices: the quantization's error bound, the twin against a float reference of the
 dequantized matrix, a drafter-wide dtype change leaving the e4m3 values alone, and the
-``weights`` setting's refusal of other values. The Triton GEMM that serves on a GPU is tested
+``weights`` setting's refusal of other values (and that of LongSpec's ``beam`` setting, its
+neighbour in the drafter's ``longgen.toml``). The Triton GEMM that serves on a GPU is tested
 against the twin in ``tests/kernels/test_fp8_gemm.py``."""
 
 from __future__ import annotations
@@ -122,3 +123,12 @@ def test_a_drafter_directorys_bad_weights_setting_names_the_file(tmp_path):
     (tmp_path / "longgen.toml").write_text('[owl]\nweights = "int8"\n')
     with pytest.raises(LonggenError, match=r"longgen.toml.*'int8'.*\$\.owl\.weights"):
         read_defaults(tmp_path)
+
+
+def test_longspecs_beam_setting_takes_torch_or_compiled_only():
+    """``[longspec] beam``: how the SGLang worker runs its graphed step (the compiled one is timed on
+    a GPU by ``bench.gpu_check``); another value is refused naming the key."""
+    assert convert({}, GenerateConfig).longspec.beam == "torch"
+    assert convert({"longspec": {"beam": "compiled"}}, GenerateConfig).longspec.beam == "compiled"
+    with pytest.raises(LonggenError, match=r"Invalid enum value 'fused' - at `\$\.longspec\.beam`"):
+        convert({"longspec": {"beam": "fused"}}, GenerateConfig, "longgen.toml")

@@ -1,0 +1,82 @@
+"""The drafters' kernels as PyTorch custom ops while ``torch.compile`` traces them.
+
+Dynamo cannot trace the host side of these wrappers (tile tables, SM counts, workspaces), so
+each call in a compiled step would be a graph break, and every break compiles the code after it
+once per shape: a LongSpec step's seven matrices at three row counts pass Dynamo's limit of 8
+shapes per frame, past which it runs those frames as plain PyTorch (seen on an H200 with
+``bench.gpu_check --phase longspec --longspec-compile``). As custom ops with a shape-only fake
+they are single nodes of one graph: inductor fuses the small kernels around them and calls the
+wrapper as it is, at run time (so a CUDA graph captured from the compiled step holds the same
+kernel launches).
+
+Outside a trace the wrappers are called directly: an eager caller pays no op dispatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+
+import torch
+
+from . import fp8_gemm as _fp8
+from . import longspec_topk as _topk
+from . import prefix_attention as _prefix
+
+
+def _when_compiling(op, fn: Callable) -> Callable:
+    """``fn``, or ``op`` while Dynamo traces (same arguments, same results)."""
+
+    @wraps(fn)
+    def call(*args):
+        return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+    return call
+
+
+@torch.library.custom_op("sgl_longgen::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _fp8.fp8_gemm(x, q, scale)
+
+
+@_fp8_gemm_op.register_fake
+def _(x, q, scale):
+    return x.new_empty((*x.shape[:-1], q.shape[0]))
+
+
+@torch.library.custom_op("sgl_longgen::prefix_attention", mutates_args=())
+def _prefix_attention_op(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+                         kv_indices: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _prefix.prefix_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale)
+
+
+@_prefix_attention_op.register_fake
+def _(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("sgl_longgen::log_softmax_topk", mutates_args=())
+def _log_softmax_topk_op(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _topk.log_softmax_topk(logits, k)
+
+
+@_log_softmax_topk_op.register_fake
+def _(logits, k):
+    shape = (*logits.shape[:-1], k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+def _fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _fp8.fp8_gemm(x, q, scale)
+
+
+def _prefix_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale: float):
+    return _prefix.prefix_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale)
+
+
+fp8_gemm = _when_compiling(_fp8_gemm_op, _fp8_gemm)
+""":func:`.fp8_gemm.fp8_gemm` with its table's config."""
+prefix_attention = _when_compiling(_prefix_attention_op, _prefix_attention)
+""":func:`.prefix_attention.prefix_attention` with its default config: ``(out, lse)``."""
+log_softmax_topk = _when_compiling(_log_softmax_topk_op, _topk.log_softmax_topk)
+""":func:`.longspec_topk.log_softmax_topk`."""
