@@ -66,17 +66,7 @@ def _(logits, k):
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
 
 
-def _fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _fp8.fp8_gemm(x, q, scale)
-
-
-def _prefix_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale: float):
-    return _prefix.prefix_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale)
-
-
-fp8_gemm = _when_compiling(_fp8_gemm_op, _fp8_gemm)
-""":func:`.fp8_gemm.fp8_gemm` with its table's config."""
-prefix_attention = _when_compiling(_prefix_attention_op, _prefix_attention)
-""":func:`.prefix_attention.prefix_attention` with its default config: ``(out, lse)``."""
+# Each takes its op's arguments, positionally: the kernels' defaults (table config, no outputs given).
+fp8_gemm = _when_compiling(_fp8_gemm_op, _fp8.fp8_gemm)
+prefix_attention = _when_compiling(_prefix_attention_op, _prefix.prefix_attention)
 log_softmax_topk = _when_compiling(_log_softmax_topk_op, _topk.log_softmax_topk)
-""":func:`.longspec_topk.log_softmax_topk`."""

@@ -168,11 +168,11 @@ class LongSpecConfig(Strict):
     (``longspec.json``): it fixes the drafter's memory per request. ``weights``: ``"fp8"`` stores
     the block's projections, its MLP and its head as e4m3 with one scale per row, quantized once at
     load (see :class:`OwlConfig`); the head (the target's LM head, or its rows at the token map)
-    becomes an fp8 copy the drafter owns, beside the target's own. ``"bf16"``: the engine's dtype. ``beam``: how the
-    SGLang worker runs a draft step on a GPU, always replayed as a CUDA graph: ``torch`` (the
-    PyTorch step) or ``compiled`` (``torch.compile`` of it, our kernels as opaque nodes of the
-    trace: inductor fuses the levels' norms, RoPE, masks and bookkeeping; a slower first step of
-    each batch size, which compiles it). CPU runs and the reference runtime run the PyTorch
+    becomes an fp8 copy the drafter owns, beside the target's own. ``"bf16"``: the engine's dtype.
+    ``beam``: how the SGLang worker runs a draft step on a GPU, always replayed as a CUDA graph:
+    ``torch`` (the PyTorch step) or ``compiled`` (``torch.compile`` of it, our kernels as opaque
+    nodes of the trace: inductor fuses the levels' norms, RoPE, masks and bookkeeping; a slower
+    first step of each batch size, which compiles it). CPU runs and the reference runtime run the PyTorch
     step. The two round differently in their last bits, so their trees can differ slightly; each
     is verified exactly.
     """
