@@ -144,9 +144,12 @@ def set_drafter_defaults(draft: Path, algorithm: str, tree_size: int | None, wei
     (draft / "longgen.toml").write_text("\n".join(lines) + "\n")
 
 
-def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512, name: str = "longspec") -> Path:
+def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512, name: str = "longspec",
+                          draft_vocab: int = 0) -> Path:
     """A random LongSpec drafter block for a target config (dummy weights: only its cost and
-    losslessness count); for the 8B shape it holds about 250M parameters (1 GB in fp32)."""
+    losslessness count); for the 8B shape it holds about 250M parameters (1 GB in fp32).
+    ``draft_vocab``: a reduced draft vocabulary of that many ids (a random token map; 0 or the
+    whole vocabulary: none)."""
     import msgspec
     import torch
 
@@ -154,7 +157,12 @@ def make_longspec_drafter(root: Path, config: dict = LLAMA_8B, window: int = 512
     from ..runtime.model import ModelConfig
 
     drafter = LongSpecDrafter.for_target(msgspec.convert(config, ModelConfig), window=window)
-    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    drafter.reset_parameters(gen)
+    vocab = config["vocab_size"]
+    if 0 < draft_vocab < vocab:
+        drafter = drafter.with_token_map(torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values)
+        name = f"{name}-v{draft_vocab}"
     return drafter.save(root / f"{name}-w{window}")
 
 
@@ -437,6 +445,7 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
         DEFAULT_WIDTHS,
         BeamPlan,
         RingPool,
+        beam_rows,
         expand_batch,
         expand_rings,
         fuse_projections,
@@ -481,9 +490,8 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
             for name, step_plan in plans.items():
                 def body(packed, indptr, step_plan=step_plan):
                     attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
-                    beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed,
-                                                attend, step_plan)
-                    return beam.tokens, beam.parents, beam.depths, beam.scores, broken
+                    return beam_rows(*expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed,
+                                                   attend, step_plan))
 
                 # compiled during the capture's warm-up runs; its first replay is checked against
                 # the compiled function run eagerly, as the worker checks its graph. Dynamo's caches
@@ -501,8 +509,8 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
                     graph_step()
                     row[f"{prefix}beam_{name}_ms"] = round(time_us(graph_step) / 1e3, 3)
                     row[f"{prefix}beam_{name}_used"] = graphed.enabled
-                    if profile_to is not None and name == "graph":
-                        profile(graph_step, profile_to)
+                    if profile_to is not None and name in ("graph", "compiled_graph"):
+                        profile(graph_step, profile_to.with_name(f"{profile_to.name}-{name}"))
                 except Exception as exc:  # noqa: BLE001 - report, do not lose the other numbers
                     row[f"{prefix}beam_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
@@ -575,6 +583,8 @@ def phase_spec(args, model: Path, draft: Path, prompts, long_prompts, report: di
         tag += (f"_t{args.drafter_tree_size}" if args.drafter_tree_size else "") + (
             f"_{args.spec_drafter_weights}" if args.spec_drafter_weights != "bf16" else "") + (
             f"_{args.spec_drafter_beam}" if args.spec_drafter_beam else "")
+        if args.algorithm == "LONGSPEC" and 0 < args.longspec_draft_vocab < LLAMA_8B["vocab_size"]:
+            tag += f"_v{args.longspec_draft_vocab}"
         set_drafter_defaults(draft, args.algorithm, args.drafter_tree_size, args.spec_drafter_weights,
                              args.spec_drafter_beam)
         result.update(drafter=draft.name, drafter_tree_size=args.drafter_tree_size,
@@ -798,7 +808,7 @@ def parser() -> argparse.ArgumentParser:
                    default=["TOKENSWIFT"],
                    help="speculative algorithms of the spec phase, one engine each, in order, on the same prompts "
                         "(OWL/HOWL: a random drafter of --owl-width[0] and --owl-draft-vocab; LONGSPEC: a random "
-                        "drafter block, window 512; NGRAM: SGLang's own, the peer; its --draft-tokens is "
+                        "drafter block, window 512, --longspec-draft-vocab; NGRAM: SGLang's own, the peer; its --draft-tokens is "
                         "--ngram-draft-tokens)")
     p.add_argument("--drafter-tree-size", type=int, default=None, metavar="N",
                    help="spec phase, OWL/HOWL/LONGSPEC: draft nodes per tree (the drafter directory's [owl] / "
@@ -830,7 +840,7 @@ def parser() -> argparse.ArgumentParser:
                    help="--phase longspec: also time the worker's step torch.compile'd before its capture")
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
-                        "token map (0: the full head only)")
+                        "token map (0: the full head only); the spec phase's LONGSPEC drafter has it (0: the full head)")
     p.add_argument("--drafter-weights", nargs="+", choices=tuple(DRAFTER_WEIGHTS), default=["bf16"],
                    help="--phase owl / longspec: time the drafter with these weight settings, side by side (fp8: "
                         "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\"; fp8-bf16: the same, "
@@ -864,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
             if algorithm == "NGRAM":
                 run_args.draft_tokens, run_args.step_detail = args.ngram_draft_tokens, 0  # SGLang's worker: untimed
             draft = {"TOKENSWIFT": lambda: heads, "NGRAM": lambda: None,
-                     "LONGSPEC": lambda: make_longspec_drafter(root)}.get(
+                     "LONGSPEC": lambda: make_longspec_drafter(root, draft_vocab=args.longspec_draft_vocab)}.get(
                 algorithm, lambda: make_owl_drafter(root, args.owl_width[0], args.owl_draft_vocab))()
             try:
                 phase_spec(run_args, model, draft, prompts, long_prompts, report)

@@ -1209,6 +1209,20 @@ def select_nodes_batched(scores: torch.Tensor, tokens: torch.Tensor, parents: to
     return DraftBeam(tokens.gather(1, sel), new_par, depths[sel], scores.gather(1, sel)), broken
 
 
+def beam_rows(beam: DraftBeam, broken: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's beam and its ``broken`` flags (:func:`expand_rings`) as the two tensors a host
+    reads them from: int64 ``[B, 3N + 1]`` (tokens, parents, depths, the flag) and the scores
+    ``[B, N]``, two device-to-host copies where the fields are five. :func:`beam_of_rows` undoes it."""
+    ints = [t.to(torch.int64) for t in (beam.tokens, beam.parents, beam.depths, broken[:, None])]
+    return torch.cat(ints, dim=1), beam.scores
+
+
+def beam_of_rows(ints: torch.Tensor, scores: torch.Tensor) -> tuple[DraftBeam, torch.Tensor]:
+    """:func:`beam_rows`'s beam and flags (views of ``ints`` and ``scores``)."""
+    n = scores.shape[1]
+    return DraftBeam(ints[:, :n], ints[:, n : 2 * n], ints[:, 2 * n : 3 * n], scores), ints[:, 3 * n].bool()
+
+
 def beam_tree(beam: DraftBeam, root: int, row: int = 0, max_nodes: int | None = None) -> DraftTree:
     """Row ``row`` of a beam as a trie; draft node i becomes tree node i + 1, tagged ``Source.LONGSPEC``.
 

@@ -211,7 +211,39 @@ class DraftTree:
 def add_beam(tree: DraftTree, tokens: Sequence[int], parents: Sequence[int], source: Source,
              max_nodes: int | None = None, row: int = 0) -> DraftTree:
     """A beam's nodes (``parents[i]``: an earlier node's index, or -1 for the root's children)
-    into ``tree``, stopping new nodes at ``max_nodes`` (a cut node's descendants go with it)."""
+    into ``tree``, stopping new nodes at ``max_nodes`` (a cut node's descendants go with it).
+
+    Into a root-only tree, a beam without two siblings of one token (the drafters' beams: each
+    level's picks are distinct (parent, token) pairs) goes in with a few list operations: beam
+    node i becomes node i + 1 and the cut keeps the first ``max_nodes - 1``, exactly what the
+    node-by-node insertion (:func:`add_beam_nodes`) builds; any other beam takes that insertion.
+    """
+    if len(tree) == 1 and tree.num_walkable == 1:
+        late = next((i for i, p in enumerate(parents) if p >= i), None)
+        if late is not None:
+            raise ValueError(f"draft node {late} of request {row} comes before its parent {parents[late]}")
+        n = len(tokens) if max_nodes is None else max(0, min(len(tokens), max_nodes - 1))
+        kept = [int(t) for t in tokens[:n]]
+        nodes = [0 if p < 0 else p + 1 for p in parents[:n]]
+        child = dict(zip(zip(nodes, kept), range(1, n + 1)))
+        if len(child) == n:
+            depths = tree.depths
+            for q in nodes:
+                depths.append(depths[q] + 1)
+            tree.tokens.extend(kept)
+            tree.parents.extend(nodes)
+            tree.sources.extend([int(source)] * n)
+            tree._child.update(child)
+            tree._parented.update(nodes)
+            tree.num_walkable += n
+            return tree
+    return add_beam_nodes(tree, tokens, parents, source, max_nodes, row)
+
+
+def add_beam_nodes(tree: DraftTree, tokens: Sequence[int], parents: Sequence[int], source: Source,
+                   max_nodes: int | None = None, row: int = 0) -> DraftTree:
+    """:func:`add_beam` one node at a time: siblings of one token merge, a node under a cut or
+    merged-away parent is dropped, existing nodes of ``tree`` are reused."""
     ids: list[int | None] = []
     for tok, par in zip(tokens, parents):
         if par >= len(ids):

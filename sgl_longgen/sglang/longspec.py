@@ -46,6 +46,9 @@ from ..core.longspec import (
     Attend,
     BeamPlan,
     RingPool,
+    beam_of_rows,
+    beam_rows,
+    beam_tree,
     check_target,
     draft_head,
     expand_rings,
@@ -58,6 +61,7 @@ from ..core.owl import DraftBeam
 from ..errors import LonggenError
 from ..methods import Draft, LongSpec, LongSpecState
 from . import compat
+from .buffers import Staging
 from .draft_dir import inspect_longspec_draft_dir, longspec_target
 from .drafter import Drafter, Shadow
 from .requests import PenaltyDefaults, StepRequest
@@ -213,9 +217,12 @@ class GraphedBeam:
     an H100, at 4K as at 98K).
 
     A batch size's first replay is checked against the eager beam on the same inputs (the same
-    kernels run, so tokens and parents must agree exactly); a failed capture or a disagreement is
-    logged once and the eager beam serves from then on. Lossless either way: the beam only
-    proposes.
+    kernels run, so the first output, :func:`~sgl_longgen.core.longspec.beam_rows`'s tokens,
+    parents, depths and flags, must agree exactly); a failed capture or a disagreement is logged
+    once and the eager beam serves from then on. Lossless either way: the beam only proposes.
+
+    A replay returns the graph's own outputs, which the next replay overwrites: the drafter
+    queues their copy to the host before anything else can replay the graph.
     """
 
     def __init__(self, fn):
@@ -231,7 +238,7 @@ class GraphedBeam:
             return self.fn(*args)
         bs = int(args[0].shape[0])
         try:
-            out = tuple(t.clone() for t in self.graphed(*args))
+            out = self.graphed(*args)
         except Exception as exc:  # the eager beam still drafts
             logger.error("LONGSPEC: capturing the beam as a CUDA graph failed (%s: %s); drafting eagerly",
                          type(exc).__name__, exc, exc_info=exc)
@@ -239,7 +246,7 @@ class GraphedBeam:
             return self.fn(*args)
         if bs not in self.checked:
             ref = self.fn(*args)
-            if not (torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])):
+            if not torch.equal(out[0], ref[0]):
                 logger.error("LONGSPEC: the beam's CUDA graph disagrees with the eager beam at batch size %d; "
                              "drafting eagerly", bs)
                 self.enabled = False
@@ -316,6 +323,10 @@ class LongSpecDrafter(Drafter):
         self.penalty = PenaltyDefaults(sampling.penalty, sampling.penalty_window)
         self._pool_checked = False
         self._batch: _Batch | None = None
+        self._shadow: Shadow | None = None  # the step's shadow, until it is called
+        self._last: tuple[DraftBeam, int] | None = None  # the last beam (a copy) and its max_nodes
+        self._max_nodes = 0  # the step's
+        self.staging = Staging(env.device)  # the beam's read-back
         self.context_len = int(runner.model_config.context_len)
         d = self.drafter
         # Every request's window ring, one pool row each (kept from its first draft to its end).
@@ -354,6 +365,7 @@ class LongSpecDrafter(Drafter):
             self.pool.give(ring)
 
     def reset(self) -> None:
+        self._last = None
         self.method.reset()
         self.rings.clear()  # every request's state is dropped with the cache: so are the rings
         self.pool.clear()
@@ -368,26 +380,46 @@ class LongSpecDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, batch, steps: list[StepRequest], shadow: Shadow, max_nodes: int) -> list[Draft]:
-        shadow()
+        """The batch's beam launched, the worker's ``shadow`` (and a rehearsal of the tries) run on
+        the host while it computes, then its one read-back and the tries."""
         drafts = [Draft.root_only(s.root) for s in steps]
-        index = [i for i, s in enumerate(steps) if s.blocker is None]
-        if not index:
-            return drafts
-        active = [steps[i] for i in index]
-        self._batch = self._inputs(batch, active)
+        self._shadow = shadow
         try:
-            proposed = self.method.propose([s.rid for s in active], [s.state.method.method for s in active],
-                                           [s.history for s in active], max_nodes)
+            index = [i for i, s in enumerate(steps) if s.blocker is None]
+            if index:
+                active = [steps[i] for i in index]
+                self._batch = self._inputs(batch, active)
+                self._max_nodes = max_nodes
+                proposed = self.method.propose([s.rid for s in active], [s.state.method.method for s in active],
+                                               [s.history for s in active], max_nodes)
+                for i, draft in zip(index, proposed):
+                    drafts[i] = draft
+                clock = self.env.clock
+                clock.section("draft_tree")
+                if clock.active:  # what the drafter holds per request, next to the context it read
+                    clock.note("longspec_ring_bytes", float(self.pool.ring_nbytes))
+                    clock.note("longspec_ring_tokens", float(max(self.pool.held(r) for r in self._batch.rings)))
+                    clock.note("longspec_cross_tokens", float(max(s.seq_len for s in active)))
         finally:
-            rings, self._batch = self._batch.rings, None
-        for i, draft in zip(index, proposed):
-            drafts[i] = draft
-        clock = self.env.clock
-        if clock.active:  # what the drafter holds per request, next to the context it read
-            clock.note("longspec_ring_bytes", float(self.pool.ring_nbytes))
-            clock.note("longspec_ring_tokens", float(max(self.pool.held(r) for r in rings)))
-            clock.note("longspec_cross_tokens", float(max(s.seq_len for s in active)))
+            self._batch = None
+            self._in_shadow()  # where nothing drafted, or the beam raised before its shadow
         return drafts
+
+    def _in_shadow(self) -> None:
+        """While the beam computes: the worker's verify inputs that the tries do not change, then
+        the tries built once more from the last beam and dropped. From the beam's read-back to the
+        verify's launch the GPU waits for the tries' Python, which runs several times faster warm
+        than cold (after SGLang's scheduler has been through its own data); here the host waits
+        for the beam anyway."""
+        shadow, self._shadow = self._shadow, None
+        if shadow is None:
+            return
+        shadow()
+        last = self._last
+        if last is not None:
+            beam, max_nodes = last
+            for b in range(beam.tokens.shape[0]):
+                beam_tree(beam, 0, b, max_nodes)
 
     def _inputs(self, batch, active: list[StepRequest]) -> _Batch:
         pool = self.env.runner.token_to_kv_pool
@@ -440,21 +472,39 @@ class LongSpecDrafter(Drafter):
 
     def _expand(self, rids, pending, starts):
         """Long feeds join their rings eagerly (a request's first draft), then one step for the
-        batch: the graphed one on a GPU (the steady feed and the beam), else eager over ``attend``."""
+        batch: the graphed one on a GPU (the steady feed and the beam), else eager over ``attend``;
+        its rows queued to the host, the shadow run, then the beam as host tensors."""
         b = self._batch
         dev = self.env.device
+        clock = self.env.clock
         pre, step = self.plan.pack(pending, starts, b.rings, self.pool.scratch)
         if pre is not None:
             feed_rings(self.drafter, self.embedding, self.rope, self.pool, to_device(pre, dev), self.plan)
         step = to_device(step, dev)
+        clock.gpu_mark("draft_gpu")
         if b.indptr is None:
-            beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope,
-                                        (self.pool.k, self.pool.v, self.pool.pos), step, b.attend, self.plan)
+            rows = beam_rows(*expand_rings(self.drafter, self.embedding, self._head, self.rope,
+                                           (self.pool.k, self.pool.v, self.pool.pos), step, b.attend, self.plan))
         else:
-            *fields, broken = self._graphed(step, b.indptr)
-            beam = DraftBeam(*fields)
+            rows = self._graphed(step, b.indptr)
+        clock.gpu_mark("draft_gpu")
+        host = [self.staging(name, t.numel(), t.dtype).view(t.shape).copy_(t, non_blocking=True)
+                for name, t in zip(("beam_ints", "beam_scores"), rows)]
+        done = None
+        if dev.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        clock.section("draft_launch")
+        self._in_shadow()
+        clock.section("draft_shadow")
+        if done is not None:
+            done.synchronize()
+        clock.section("draft_wait")
+        beam, broken = beam_of_rows(*host)
         if bool(broken.any()):
             raise AssertionError("the cut tree is not closed under ancestors")
+        # the staging buffers take the next beam while the next shadow rehearses this one
+        self._last = (beam_of_rows(host[0].clone(), host[1].clone())[0], self._max_nodes)
         return beam
 
     def _graph_of_step(self) -> GraphedBeam:
@@ -469,9 +519,8 @@ class LongSpecDrafter(Drafter):
         k_buffer, v_buffer = self._buffers
         attend = kernel_attention(k_buffer, v_buffer, kv_indptr, self._slots[step.shape[0]],
                                   self.drafter.cross_attn.scale)
-        beam, broken = expand_rings(self.drafter, self.embedding, self._head, self.rope,
-                                    (self.pool.k, self.pool.v, self.pool.pos), step, attend, self.plan)
-        return beam.tokens, beam.parents, beam.depths, beam.scores, broken
+        return beam_rows(*expand_rings(self.drafter, self.embedding, self._head, self.rope,
+                                       (self.pool.k, self.pool.v, self.pool.pos), step, attend, self.plan))
 
     def _full_head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head.weight[: self.env.vocab_size])  # SGLang pads the head's rows

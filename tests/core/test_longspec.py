@@ -22,6 +22,8 @@ from sgl_longgen.core.longspec import (
     LongSpecDrafter,
     WindowCache,
     anchor_offset_positions,
+    beam_of_rows,
+    beam_rows,
     beam_tree,
     check_drafter,
     draft_head,
@@ -33,6 +35,7 @@ from sgl_longgen.core.longspec import (
     select_nodes_batched,
     target_settings,
 )
+from sgl_longgen.core.owl import DraftBeam
 from sgl_longgen.core.tree import Source
 from sgl_longgen.errors import LonggenError
 from sgl_longgen.runtime.embedded import random_state
@@ -441,6 +444,23 @@ def test_the_batched_cut_is_the_per_request_cut_ties_included():
     low[:, -2] = -100.0
     assert select_nodes_batched(low, tokens, orphan, depths, 5)[1].tolist() == [
         bool(low[b, -1] >= torch.sort(low[b], descending=True, stable=True).values[4]) for b in range(B)]
+
+
+def test_the_beams_two_host_rows_give_back_every_field_and_flag():
+    """The engine reads a batch's beam back as two tensors (one int64, one of scores): each field,
+    int32 ids included, and each row's flag come back exactly, whatever their values."""
+    g = torch.Generator().manual_seed(1)
+    B, N = 3, 7
+    beam = DraftBeam(torch.randint(0, 2**31 - 1, (B, N), generator=g, dtype=torch.int32),
+                     torch.randint(-1, N, (B, N), generator=g), torch.randint(1, 6, (B, N), generator=g),
+                     -torch.rand(B, N, generator=g))
+    broken = torch.tensor([False, True, False])
+    ints, scores = beam_rows(beam, broken)
+    assert ints.dtype == torch.int64 and ints.shape == (B, 3 * N + 1)
+    back, flags = beam_of_rows(ints.clone(), scores.clone())
+    for field in ("tokens", "parents", "depths", "scores"):
+        assert torch.equal(getattr(back, field), getattr(beam, field).to(getattr(back, field).dtype)), field
+    assert flags.tolist() == [False, True, False]
 
 
 def test_widths_wider_than_the_vocabulary_are_clamped():

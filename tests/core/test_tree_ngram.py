@@ -7,7 +7,7 @@ from helpers import loop_sequence, path_nodes
 
 from sgl_longgen.core import ngram
 from sgl_longgen.core.ngram import _BULK, _BULK_SHARE, NgramPool
-from sgl_longgen.core.tree import DraftTree, Source, bits_to_rows, cartesian_rows
+from sgl_longgen.core.tree import DraftTree, Source, add_beam, add_beam_nodes, bits_to_rows, cartesian_rows
 
 
 def test_paths_merge_into_one_node_per_distinct_prefix():
@@ -114,6 +114,40 @@ def test_leaves_added_together_are_the_leaves_added_one_by_one():
     assert (bulk.tokens, bulk.parents, bulk.depths, bulk.sources, bulk.num_walkable) == (
         one.tokens, one.parents, one.depths, one.sources, one.num_walkable)
     assert all(bulk.child(p, 7) is None or bulk.child(p, 7) < bulk.num_walkable for p in parents)  # never walked into
+
+
+def tree_fields(tree: DraftTree) -> tuple:
+    return (tree.tokens, tree.parents, tree.depths, tree.sources, tree._child, tree._parented, tree.num_walkable)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_beam_in_one_go_is_the_beam_inserted_node_by_node(seed):
+    """The bulk insertion of a beam into a root-only tree builds what the node-by-node one does,
+    every cut included; beams with two siblings of one token (merged by the trie) fall back to
+    it, and so do trees that already hold nodes."""
+    rng = random.Random(seed)
+    n = rng.randrange(1, 40)
+    parents = [rng.randrange(-1, i) for i in range(n)]
+    unique = seed % 2 == 0
+    tokens = []
+    for i, p in enumerate(parents):
+        taken = {t for t, q in zip(tokens, parents) if q == p} if unique else set()
+        tokens.append(rng.choice([t for t in range(60) if t not in taken] if unique else range(3)))
+    for max_nodes in (None, 0, 1, 2, n // 2, n, n + 1, n + 5):
+        fast = add_beam(DraftTree(9), tokens, parents, Source.LONGSPEC, max_nodes)
+        slow = add_beam_nodes(DraftTree(9), tokens, parents, Source.LONGSPEC, max_nodes)
+        assert tree_fields(fast) == tree_fields(slow), max_nodes
+    held = [DraftTree(9), DraftTree(9)]
+    for tree in held:
+        tree.add_path(tokens[:1], Source.NGRAM)
+    assert tree_fields(add_beam(held[0], tokens, parents, Source.LSTM)) == tree_fields(
+        add_beam_nodes(held[1], tokens, parents, Source.LSTM))
+
+
+def test_a_beam_with_a_child_before_its_parent_is_refused_either_way():
+    for fn in (add_beam, add_beam_nodes):
+        with pytest.raises(ValueError, match="draft node 2 of request 3 comes before its parent 2"):
+            fn(DraftTree(1), [5, 6, 7], [-1, 0, 2], Source.LSTM, 2, 3)
 
 
 def test_ngram_pool_counts_and_ranks_by_frequency_then_recency():

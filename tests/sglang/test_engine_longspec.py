@@ -469,6 +469,10 @@ def test_gpu_check_makes_a_drafter_the_startup_check_accepts(tmp_path):
     drafter = make_longspec_drafter(tmp_path, cfg)
     draft = inspect_longspec_draft_dir(drafter, target)
     assert draft.checkpoint["hidden_size"] == cfg["hidden_size"] and draft.checkpoint["window"] == 512
+    # the spec phase's reduced draft vocabulary: a valid token map of that many ids
+    reduced = inspect_longspec_draft_dir(make_longspec_drafter(tmp_path, cfg, draft_vocab=100), target)
+    assert reduced.path != draft.path and reduced.checkpoint["draft_vocab_size"] == 100
+    assert make_longspec_drafter(tmp_path, cfg, draft_vocab=cfg["vocab_size"]) == drafter  # the whole vocabulary: none
 
 
 
