@@ -32,7 +32,8 @@ the peer), ``--algorithms`` in turn:
    plain decode step at that context; with the full head and with a reduced draft vocabulary
    (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only);
    with ``--drafter-weights bf16 fp8`` also with the block and head in fp8 (keys prefixed ``fp8_``;
-   ``fp8-bf16``: fp8 with the GEMM's product in bf16, :func:`~sgl_longgen.kernels.fp8_gemm.table_product`).
+   ``fp8-bf16``: fp8 with the GEMM's product in bf16, :func:`~sgl_longgen.kernels.fp8_gemm.table_product`;
+   ``fp8-addr``: fp8 with the matrices' tiles read by addresses, not through tensor descriptors, ``table_loads``).
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
@@ -42,7 +43,7 @@ the peer), ``--algorithms`` in turn:
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms LONGSPEC
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-draft-vocab 32768
     python -m sgl_longgen.bench.gpu_check --phase owl --out results.json --drafter-weights bf16 fp8
-    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8 fp8-bf16
+    python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --drafter-weights bf16 fp8 fp8-bf16 fp8-addr
     python -m sgl_longgen.bench.gpu_check --phase longspec --out results.json --longspec-compile
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms OWL --draft-tokens 32 \
         --drafter-tree-size 15 --spec-drafter-weights fp8  # a narrower OWL tree (32 verify rows), fp8 drafter
@@ -51,6 +52,7 @@ the peer), ``--algorithms`` in turn:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -185,8 +187,20 @@ def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:
     return open_engine(**kw)
 
 
-# --drafter-weights: setting -> (matrices in fp8, the fp8 GEMM's product in fp16 (its table's own))
-DRAFTER_WEIGHTS = {"bf16": (False, True), "fp8": (True, True), "fp8-bf16": (True, False)}
+# --drafter-weights: setting -> (matrices in fp8, the fp8 GEMM's product in fp16 (its table's own),
+# its matrices read through tensor descriptors where they can be (its table's own))
+DRAFTER_WEIGHTS = {"bf16": (False, True, True), "fp8": (True, True, True), "fp8-bf16": (True, False, True),
+                   "fp8-addr": (True, True, False)}
+
+
+@contextlib.contextmanager
+def gemm_table(setting: str):
+    """The fp8 GEMM's table as a ``--drafter-weights`` setting has it, while graphs are captured."""
+    from ..kernels.fp8_gemm import table_loads, table_product
+
+    _, f16, tma = DRAFTER_WEIGHTS[setting]
+    with table_product(f16), table_loads(tma):
+        yield
 NGRAM_DRAFT_TOKENS = 16  # SGLang NGRAM's verify width unless --ngram-draft-tokens says otherwise
 OURS = frozenset(SPECULATIVE_ALGORITHMS.values())  # the algorithms our plugin registers
 
@@ -404,23 +418,23 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         return torch.nn.functional.linear(h, head_weight)
 
     token_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values if reduced else None
-    variants = {}  # key prefix -> (drafter, its head, the fp8 GEMM's product: fp16 or not)
+    variants = {}  # key prefix -> (drafter, its head, its --drafter-weights setting)
     for setting in weights:
-        fp8, f16 = DRAFTER_WEIGHTS[setting]
+        fp8 = DRAFTER_WEIGHTS[setting][0]
         prefix = f"{setting}_" if fp8 else ""
         block = quantize_fp8(copy.deepcopy(drafter)) if fp8 else drafter
-        variants[prefix] = (block, draft_head(block, head_weight, full_head, fp8), f16)
+        variants[prefix] = (block, draft_head(block, head_weight, full_head, fp8), setting)
         if reduced:
             small = drafter.with_token_map(token_map.to(dev))
             if fp8:
                 quantize_fp8(small)
-            variants[f"{prefix}reduced_"] = (small, draft_head(small, head_weight, full_head, fp8), f16)
+            variants[f"{prefix}reduced_"] = (small, draft_head(small, head_weight, full_head, fp8), setting)
     for L in contexts:
         rows = [torch.randperm(slots, device=dev)[:L].to(torch.int32) for _ in range(batch)]
         tokens = torch.randint(0, vocab, (L + 1,), generator=gen).tolist()
         row: dict = {}
-        for prefix, (drafter, head, f16) in variants.items():
-            with table_product(f16):  # every graph of the variant captured with its product
+        for prefix, (drafter, head, setting) in variants.items():
+            with gemm_table(setting):  # every graph of the variant captured with its GEMM table
                 _time_beams(row, prefix, drafter, embed, head, rope, rows, tokens, L, batch, window,
                             (k_buffer, v_buffer), max(contexts), dev,
                             None if profile_dir is None else profile_dir / f"longspec-{prefix or 'full_'}{L}", compiled)
@@ -719,8 +733,6 @@ OWL_BEAMS = ("eager", "graph", "fused_graph", "compiled_graph")
 def phase_owl(args, report: dict) -> None:
     """Each width's beams at each ``--drafter-weights`` setting; the report's key is
     ``WIDTHxVOCAB`` for bf16 (as ever) and ``WIDTHxVOCAB-fp8`` for fp8."""
-    from ..kernels.fp8_gemm import table_product
-
     first = str(args.contexts[0])
     ar_ms = report.get("ar_step_ms", {}).get(first, float("nan"))
     vocab = LLAMA_8B["vocab_size"]
@@ -728,7 +740,7 @@ def phase_owl(args, report: dict) -> None:
     rows = []
     for width in args.owl_width:
         for weights in args.drafter_weights:
-            with table_product(DRAFTER_WEIGHTS[weights][1]):  # the fp8 GEMM's product while graphs are captured
+            with gemm_table(weights):
                 r = owl_drafter_ms(width, draft_vocab, args.owl_compile, args.profile, weights)
             r.update(width=width, draft_vocab=draft_vocab, ar_context=int(first))
             for name in OWL_BEAMS[1:]:
@@ -844,7 +856,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-weights", nargs="+", choices=tuple(DRAFTER_WEIGHTS), default=["bf16"],
                    help="--phase owl / longspec: time the drafter with these weight settings, side by side (fp8: "
                         "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\"; fp8-bf16: the same, "
-                        "the fp8 GEMM's product in bf16, not the table's fp16)")
+                        "the fp8 GEMM's product in bf16, not the table's fp16; fp8-addr: the matrices' tiles read "
+                        "by addresses, not through the table's tensor descriptors)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="--phase owl / longspec: the graphed drafters' per-kernel totals into DIR")
     return p

@@ -22,8 +22,8 @@ def wall_us(fn):
 
 def test_the_weights_setting_parses_and_refuses_a_repeat():
     assert gpu_check.parser().parse_args(["--phase", "owl"]).drafter_weights == ["bf16"]
-    args = gpu_check.parser().parse_args(["--phase", "longspec", "--drafter-weights", "bf16", "fp8"])
-    assert args.drafter_weights == ["bf16", "fp8"]
+    args = gpu_check.parser().parse_args(["--phase", "longspec", "--drafter-weights", "bf16", "fp8", "fp8-addr"])
+    assert args.drafter_weights == ["bf16", "fp8", "fp8-addr"]
     with pytest.raises(SystemExit):
         gpu_check.parser().parse_args(["--drafter-weights", "int8"])
     with pytest.raises(SystemExit):
@@ -39,13 +39,13 @@ def test_the_longspec_phase_times_each_setting_side_by_side(monkeypatch, capsys)
     monkeypatch.setattr(gpu_check, "longspec_drafter_ms",
                         lambda *a, **kw: timed(*a, **{**kw, "config": cfg, "device": "cpu"}))
     args = argparse.Namespace(contexts=[100], longspec_batch=1, longspec_draft_vocab=100, profile=None,
-                              drafter_weights=["bf16", "fp8"], longspec_compile=False, out="r.json")
+                              drafter_weights=["bf16", "fp8", "fp8-addr"], longspec_compile=False, out="r.json")
     report = {"ar_step_ms": {"100": 1.0}}
     gpu_check.phase_longspec(args, report)
     r = report["longspec_drafter"]
-    assert r["weights"] == ["bf16", "fp8"]
+    assert r["weights"] == ["bf16", "fp8", "fp8-addr"]
     row = r["100"]
-    for prefix in ("", "reduced_", "fp8_", "fp8_reduced_"):
+    for prefix in ("", "reduced_", "fp8_", "fp8_reduced_", "fp8-addr_", "fp8-addr_reduced_"):
         assert row[f"{prefix}beam_torch_ms"] > 0 and f"{prefix}beam_torch_vs_ar" in row
     out = capsys.readouterr().out
     assert "graphed step ms" in out and " bf16 " in out and " fp8 " in out

@@ -12,9 +12,18 @@ casts truncate), ``atol`` 1e-5 of the largest output.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from sgl_longgen.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, fp8_gemm_config, table_product
+from sgl_longgen.kernels.fp8_gemm import (
+    Fp8GemmConfig,
+    fp8_gemm,
+    fp8_gemm_config,
+    table_loads,
+    table_product,
+    tma_possible,
+)
 
 from sgl_longgen.core.fp8 import (
     Fp8Linear,
@@ -155,6 +164,50 @@ def test_table_product_switches_the_tables_product_inside_its_block_only():
     with pytest.raises(RuntimeError), table_product(False):
         raise RuntimeError
     assert fp8_gemm_config(16, 4096, 4096, 132).f16_dot
+
+
+@pytest.mark.parametrize("m,n,k,split_k", [(5, 128, 512, 1), (16, 80, 400, 3), (33, 48, 160, 2)])
+def test_descriptor_reads_are_the_address_reads(m, n, k, split_k):
+    """Reading ``W``'s tiles through a tensor descriptor changes how bytes arrive, not the sums:
+    the same bits as the address reads, partial row and K tiles (zeros past the matrix) included."""
+    x, q, scale = operands(m, n, k, dtype=torch.bfloat16, seed=m + k)
+    if not tma_possible(q):
+        pytest.skip("this GPU has no tensor memory accelerator")
+    by_address = fp8_gemm_config(m, n, k, 8, split_k=split_k, tile=(32, 64, 4, 2), tma=False)
+    out = fp8_gemm(x, q, scale, config=dataclasses.replace(by_address, tma=True))
+    assert torch.equal(out, fp8_gemm(x, q, scale, config=by_address))
+    assert_twin(out, x, q, scale)
+
+
+def test_a_matrix_a_descriptor_cannot_read_is_read_by_address():
+    """A descriptor needs 16-byte aligned rows: a 100-column matrix is read by address."""
+    x, q, scale = operands(4, 40, 100, seed=9)
+    assert not tma_possible(q)
+    assert_twin(fp8_gemm(x, q, scale, config=fp8_gemm_config(4, 40, 100, 8, tma=True)), x, q, scale)
+
+
+def test_the_table_reads_few_rows_matrices_through_descriptors_with_tiles_of_their_own():
+    """Up to 16 rows the table reads ``W`` through a descriptor: the wide tile where its grid
+    fills 132 SMs unsplit (28672 rows and more), else the narrow one with its split; more rows,
+    and a matrix a descriptor cannot read, keep the address tiles."""
+    wide, narrow = fp8_gemm_config(16, 28672, 4096, 132), fp8_gemm_config(16, 6144, 4096, 132)
+    assert wide.tma and (wide.block_n, wide.block_k, wide.num_warps, wide.num_stages, wide.split_k) == (128, 256, 8, 3, 1)
+    assert narrow.tma and (narrow.block_n, narrow.block_k, narrow.num_stages, narrow.split_k) == (64, 256, 3, 4)
+    assert fp8_gemm_config(16, 14336, 4096, 132).block_n == 64  # wide would need a split there
+    assert not fp8_gemm_config(17, 28672, 4096, 132).tma
+    by_address = fp8_gemm_config(16, 28672, 4096, 132, tma=False)
+    assert not by_address.tma and (by_address.block_n, by_address.num_stages) == (64, 4)
+
+
+def test_table_loads_switches_the_tables_reads_inside_its_block_only():
+    assert fp8_gemm_config(16, 4096, 4096, 132).tma
+    with table_loads(False):
+        assert not fp8_gemm_config(16, 4096, 4096, 132).tma
+        assert fp8_gemm_config(16, 4096, 4096, 132, tma=True).tma
+    assert fp8_gemm_config(16, 4096, 4096, 132).tma
+    with pytest.raises(RuntimeError), table_loads(False):
+        raise RuntimeError
+    assert fp8_gemm_config(16, 4096, 4096, 132).tma
 
 
 def test_a_given_tile_sets_the_split_it_needs():
