@@ -23,8 +23,8 @@ the matrix is fp8, read at one byte per entry:
 * with ``tma`` (the table's choice up to 16 rows of ``x`` on compute capability 9.0+, for a
   16-byte aligned matrix), each tile of ``W`` is one tensor-memory-accelerator copy from a
   descriptor of the matrix (rows past ``N`` and columns past ``K`` read as zeros) instead of
-  per-entry addresses and masks, the same sums in the same order: on an H200 the step from
-  address reads to these is 10-25% less time a matrix, 11% off LongSpec's compiled draft step;
+  per-entry addresses and masks, the same sums in the same order: on an H200, 13-30% less time
+  a matrix at 16 rows than the address reads, 15% off LongSpec's compiled draft step;
 * with few row blocks (a 4096-row matrix is 64 blocks for 132 SMs) K is split: each split writes
   float32 partial sums to a workspace and :func:`_split_sum_kernel` adds them in split order,
   scales and casts (no atomics: the same bits on every call).
@@ -80,9 +80,10 @@ _TILES = (
 # has tiles of its own, (block_n, block_k, num_warps, num_stages): the wide one where its grid
 # fills the GPU unsplit (the MLP's 28672 rows, the heads), else the narrow one with its K split
 # (the 4096- and 6144-row matrices). Measured on an H200 (LongSpec's matrices at 1, 4 and 16
-# rows, each tile of a sweep of 9 with splits 1-8): these read e4m3 at 2.0-3.6 TB/s where the
-# address reads of the tiles above managed 1.4-2.7, and they are the sweep's best or within 4%
-# of it on every matrix but 4096 x 4096 at one row (9.9 us against 9.7).
+# rows, 9 tiles with splits 1-8, each read by addresses and through a descriptor, CUDA graphs of
+# back-to-back calls on more weights than L2 holds): at 16 rows these read e4m3 at 1.7-3.6 TB/s
+# where the address tiles above managed 1.5-2.7, and at every matrix and row count they are the
+# sweep's best or within 5% of it.
 TMA_ROWS = 16
 _TMA_WIDE = (128, 256, 8, 3)
 _TMA_NARROW = (64, 256, 4, 3)
