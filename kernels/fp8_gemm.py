@@ -90,34 +90,23 @@ _TMA_NARROW = (64, 256, 4, 3)
 
 _SMS: dict[int, int] = {}  # CUDA device index -> SM count
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
-_F16_DOT = [True]  # the product the table gives bf16 activations (see table_product)
-_TMA = [True]  # whether the table reads W through a descriptor where it can (see table_loads)
+# What the table gives: bf16 activations' product in fp16, W read through a descriptor where it can be
+_TABLE = {"f16_dot": True, "tma": True}
 
 
 @contextmanager
-def table_product(f16_dot: bool) -> Iterator[None]:
-    """Within the block, configs taken from the table (:func:`fp8_gemm_config` without ``f16_dot``)
-    run the product in fp16 (``True``, the table's own choice) or in bf16: how a benchmark times a
-    whole drafter step, its CUDA graph captured inside the block, with either product. Not
-    thread-safe, not for the product."""
-    before, _F16_DOT[0] = _F16_DOT[0], f16_dot
+def table_choice(f16_dot: bool | None = None, tma: bool | None = None) -> Iterator[None]:
+    """Within the block, configs taken from the table (:func:`fp8_gemm_config` without the
+    argument) run the product in fp16 or bf16 (``f16_dot``) and read ``W`` through a descriptor
+    or by addresses with the address tiles (``tma``); ``None`` keeps the table's own choice (fp16,
+    descriptors). How a benchmark times a whole drafter step, its CUDA graph captured inside the
+    block, either way. Not thread-safe, not for the product."""
+    before = dict(_TABLE)
+    _TABLE.update({k: v for k, v in (("f16_dot", f16_dot), ("tma", tma)) if v is not None})
     try:
         yield
     finally:
-        _F16_DOT[0] = before
-
-
-@contextmanager
-def table_loads(tma: bool) -> Iterator[None]:
-    """Within the block, configs taken from the table read ``W`` through a tensor descriptor where
-    they can (``True``, the table's own choice) or by addresses with the address tiles (``False``):
-    as :func:`table_product`, for a benchmark that times a whole drafter step both ways. Not
-    thread-safe, not for the product."""
-    before, _TMA[0] = _TMA[0], tma
-    try:
-        yield
-    finally:
-        _TMA[0] = before
+        _TABLE.update(before)
 
 
 def tma_possible(q: torch.Tensor) -> bool:
@@ -151,14 +140,14 @@ def fp8_gemm_config(m: int, n: int, k: int, sms: int, split_k: int | None = None
     (a 4096 x 14336 matrix: 64 row blocks, 4 splits; 14336 or more rows: no split). ``split_k``
     overrides the split; ``tile`` (``block_n, block_k, num_warps, num_stages``) the table's tile
     for ``W`` (the split then follows from it); ``f16_dot`` the product's dtype (module docstring;
-    ``None``: the table's, the fp16 product unless :func:`table_product` says otherwise), ``tma``
+    ``None``: the table's, the fp16 product unless :func:`table_choice` says otherwise), ``tma``
     how ``W`` is read (``None``: the table's, through a descriptor with the descriptor tiles up to
-    :data:`TMA_ROWS` rows unless :func:`table_loads` says otherwise; the caller says ``False``
+    :data:`TMA_ROWS` rows unless :func:`table_choice` says otherwise; the caller says ``False``
     where the matrix cannot be read so, :func:`tma_possible`)."""
     if f16_dot is None:
-        f16_dot = _F16_DOT[0]
+        f16_dot = _TABLE["f16_dot"]
     if tma is None:
-        tma = _TMA[0] and m <= TMA_ROWS
+        tma = _TABLE["tma"] and m <= TMA_ROWS
     for limit, bm, bn, bk, warps, stages in _TILES:
         if limit is None or m <= limit:
             break

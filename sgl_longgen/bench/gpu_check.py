@@ -32,8 +32,8 @@ the peer), ``--algorithms`` in turn:
    plain decode step at that context; with the full head and with a reduced draft vocabulary
    (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only);
    with ``--drafter-weights bf16 fp8`` also with the block and head in fp8 (keys prefixed ``fp8_``;
-   ``fp8-bf16``: fp8 with the GEMM's product in bf16, :func:`~sgl_longgen.kernels.fp8_gemm.table_product`;
-   ``fp8-addr``: fp8 with the matrices' tiles read by addresses, not through tensor descriptors, ``table_loads``).
+   ``fp8-bf16``: fp8 with the GEMM's product in bf16; ``fp8-addr``: fp8 with the matrices' tiles read
+   by addresses, not through tensor descriptors; :func:`~sgl_longgen.kernels.fp8_gemm.table_choice`).
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
@@ -196,10 +196,10 @@ DRAFTER_WEIGHTS = {"bf16": (False, True, True), "fp8": (True, True, True), "fp8-
 @contextlib.contextmanager
 def gemm_table(setting: str):
     """The fp8 GEMM's table as a ``--drafter-weights`` setting has it, while graphs are captured."""
-    from ..kernels.fp8_gemm import table_loads, table_product
+    from ..kernels.fp8_gemm import table_choice
 
     _, f16, tma = DRAFTER_WEIGHTS[setting]
-    with table_product(f16), table_loads(tma):
+    with table_choice(f16_dot=f16, tma=tma):
         yield
 NGRAM_DRAFT_TOKENS = 16  # SGLang NGRAM's verify width unless --ngram-draft-tokens says otherwise
 OURS = frozenset(SPECULATIVE_ALGORITHMS.values())  # the algorithms our plugin registers
@@ -390,7 +390,6 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
         quantize_fp8,
         rope_tables,
     )
-    from ..kernels.fp8_gemm import table_product
     from ..runtime.model import ModelConfig, rope_inv_freq
 
     dev, dt = torch.device(device), torch.bfloat16

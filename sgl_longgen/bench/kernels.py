@@ -139,6 +139,17 @@ def time_graph_us(fn: Callable[[], object], reps: int = 50, flush_l2: bool = Fal
     return _median_ms(run, reps, flush_l2) * 1e3, mode
 
 
+def time_chain_us(make_call: Callable[[object], Callable[[], object]], operands: list, reps: int = 15) -> float:
+    """Median microseconds per call of one CUDA graph holding ``make_call(o)()`` for each of
+    ``operands`` back to back: with operands (weights) that together exceed L2, each call finds
+    none of its own there and pays its launch gap inside a graph, as a drafter step's GEMMs do."""
+    calls = [make_call(o) for o in operands]
+    run, mode = _graphed(lambda: [c() for c in calls])
+    if mode == "eager":
+        return time_us(run) / len(calls)
+    return _median_ms(run, reps, False) * 1e3 / len(calls)
+
+
 def full_verify_mask(prefix_len: int, tree: torch.Tensor) -> torch.Tensor:
     """SGLang's per-request verify mask ``[T, prefix + T]``: whole prefix, then the tree."""
     T = tree.shape[0]
@@ -600,19 +611,25 @@ def fp8_gemm_table(row_counts, device, rows: list[dict]) -> None:
 # LongSpec's matrices as a beam level multiplies them (fused q/k/v, the attention outputs and the
 # cross-attention's query, fused gate/up, down, the 32K-row head), and the tiles tried for each:
 # (block_n, block_k, num_warps, num_stages), each with the split the heuristic gives that tile and
-# twice it, the product in bf16 and in fp16 (``f16_dot``).
+# twice it, read by addresses with the product in bf16 and in fp16 (``f16_dot``) and read through
+# a descriptor (``tma``) with the fp16 product.
 FP8_TUNE_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (32768, 4096))
 FP8_TUNE_TILES = (
-    (64, 256, 4, 4), (64, 256, 4, 6), (64, 512, 4, 3), (64, 128, 4, 6),
-    (32, 256, 4, 4), (32, 512, 4, 4), (128, 256, 4, 4), (128, 256, 8, 4), (128, 128, 8, 6),
+    (64, 256, 4, 4), (64, 256, 4, 3), (64, 256, 4, 6), (64, 512, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6),
+    (32, 256, 4, 4), (32, 512, 4, 4), (128, 128, 4, 4), (128, 256, 4, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+    (128, 128, 8, 6),
 )
+FP8_TUNE_READS = ((False, False), (True, False), (True, True))  # (f16_dot, tma)
+FP8_TUNE_BYTES = 120e6  # weight copies per matrix: at least this many bytes, more than an H100's or H200's L2
 
 
 def fp8_tune(row_counts, device, rows: list[dict]) -> None:
     """Each LongSpec matrix times ``m`` rows through the fp8 GEMM at every tile of
-    :data:`FP8_TUNE_TILES` (graphed, L2 flushed: a beam level finds none of its matrix in L2),
-    against the fixed table's choice: whether, and by how much, a tile measured per shape on this
-    GPU would beat it. The best of each shape is printed with its GB/s; every try is in ``rows``."""
+    :data:`FP8_TUNE_TILES` and read of :data:`FP8_TUNE_READS` (:func:`time_chain_us` over copies
+    of the matrix: a beam level finds none of its matrix in L2 and launches its GEMMs back to
+    back), against the fixed table's choice: whether, and by how much, a tile measured per shape
+    on this GPU would beat it. The best of each shape is printed with its GB/s; every try is in
+    ``rows``."""
     from ..core.fp8 import quantize, reference_linear
     from ..kernels.fp8_gemm import MAX_SPLIT_K, fp8_gemm, fp8_gemm_config, num_sms
 
@@ -621,11 +638,14 @@ def fp8_tune(row_counts, device, rows: list[dict]) -> None:
     for n, k in FP8_TUNE_SHAPES:
         w = torch.randn(n, k, device=device, dtype=DTYPE, generator=g) * 0.02
         q, scale = quantize(w)
+        copies = max(3, int(FP8_TUNE_BYTES // (n * k)) + 1)
+        qs = [q] + [q.clone() for _ in range(copies - 1)]
+        ws = [w] + [w.clone() for _ in range(max(1, copies // 2) - 1)]
         read = (n * k + 4 * n) / 1e3  # bytes / 1e3: GB/s from microseconds
         for m in row_counts:
             x = torch.randn(m, k, device=device, dtype=DTYPE, generator=g)
             twin = reference_linear(x.float(), q, scale)
-            bf16_us, _ = time_graph_us(lambda x=x, w=w: torch.nn.functional.linear(x, w), flush_l2=True)
+            bf16_us = time_chain_us(lambda w, x=x: lambda: torch.nn.functional.linear(x, w), ws)
             bf16_gbs = 2 * n * k / 1e3 / bf16_us
             rows.append({"table": "fp8_tune", "m": m, "n": n, "k": k, "bf16_us": bf16_us, "bf16_GBps": bf16_gbs})
             default = fp8_gemm_config(m, n, k, sms)
@@ -633,21 +653,21 @@ def fp8_tune(row_counts, device, rows: list[dict]) -> None:
             for tile in FP8_TUNE_TILES:
                 split = fp8_gemm_config(m, n, k, sms, tile=tile).split_k  # the heuristic's split for this tile
                 for s in sorted({split, min(MAX_SPLIT_K, 2 * split)}):
-                    for f16_dot in (False, True):
-                        cfg = fp8_gemm_config(m, n, k, sms, split_k=s, tile=tile, f16_dot=f16_dot)
+                    for f16_dot, tma in FP8_TUNE_READS:
+                        cfg = fp8_gemm_config(m, n, k, sms, split_k=s, tile=tile, f16_dot=f16_dot, tma=tma)
                         if cfg not in tries:
                             tries.append(cfg)
             results = []
             for cfg in tries:
                 try:
                     err = relative_error(fp8_gemm(x, q, scale, config=cfg), twin)
-                    us, mode = time_graph_us(lambda cfg=cfg: fp8_gemm(x, q, scale, config=cfg), flush_l2=True)
+                    us = time_chain_us(lambda q, cfg=cfg: lambda: fp8_gemm(x, q, scale, config=cfg), qs)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit (shared memory, registers)
                     rows.append({"table": "fp8_tune", "m": m, "n": n, "k": k, "config": dataclasses.asdict(cfg),
                                  "error": f"{type(exc).__name__}: {exc}"[:200]})
                     continue
                 row = {"table": "fp8_tune", "m": m, "n": n, "k": k, "config": dataclasses.asdict(cfg), "us": us,
-                       "GBps": read / us, "err": err, "timing": mode, "default": cfg == default}
+                       "GBps": read / us, "err": err, "timing": "chain", "default": cfg == default}
                 rows.append(row)
                 results.append(row)
             if not results:
@@ -660,9 +680,9 @@ def fp8_tune(row_counts, device, rows: list[dict]) -> None:
             print(f"{n:6d} x {k:5d} m {m:3d} | bf16 {bf16_us:7.1f} us {bf16_gbs:5.0f} GB/s "
                   f"| table {base_txt} | best {best['us']:7.1f} us {best['GBps']:5.0f} GB/s "
                   f"(n {c['block_n']} k {c['block_k']} w {c['num_warps']} s {c['num_stages']} split {c['split_k']}"
-                  f"{' f16' if c['f16_dot'] else ''}) "
+                  f"{' f16' if c['f16_dot'] else ''}{' tma' if c['tma'] else ''}) "
                   f"err {best['err']:.1e} | {len(results)} tiles", flush=True)
-        del w, q, scale
+        del w, q, scale, qs, ws
         torch.cuda.empty_cache()
 
 
@@ -724,8 +744,8 @@ def main(argv=None) -> int:
               "(us; GB/s of the matrix read)", flush=True)
         fp8_gemm_table([int(x) for x in args.fp8_rows.split(",")], device, rows)
         if args.tune:
-            print("# fp8 GEMM tiles per LongSpec matrix, graphed, L2 flushed (us; GB/s of the matrix read)",
-                  flush=True)
+            print("# fp8 GEMM tiles and reads per LongSpec matrix, graphed back to back over more weights than L2 "
+                  "holds (us per call; GB/s of the matrix read)", flush=True)
             fp8_tune([int(x) for x in args.fp8_rows.split(",")], device, rows)
     if args.mode == "fa3-splits":
         print("# FA3 prefix pass, one layer, CUDA graphs (us per split count/GQA packing; 0/None: FA3's heuristic)",

@@ -20,8 +20,7 @@ from sgl_longgen.kernels.fp8_gemm import (
     Fp8GemmConfig,
     fp8_gemm,
     fp8_gemm_config,
-    table_loads,
-    table_product,
+    table_choice,
     tma_possible,
 )
 
@@ -152,18 +151,25 @@ def test_the_table_picks_tiles_by_rows_and_splits_only_short_grids():
         fp8_gemm_config(1, 64, 2048, 132, split_k=0)
 
 
-def test_table_product_switches_the_tables_product_inside_its_block_only():
-    """The table runs bf16 activations through the fp16 product (measured faster); a benchmark's
-    whole-step timing with the bf16 product takes it inside the block, an explicit ``f16_dot``
-    wins, and the table's product comes back after (also on error)."""
-    assert fp8_gemm_config(16, 4096, 4096, 132).f16_dot
-    with table_product(False):
-        assert not fp8_gemm_config(16, 4096, 4096, 132).f16_dot
+def test_table_choice_switches_the_tables_product_and_reads_inside_its_block_only():
+    """The table runs bf16 activations through the fp16 product and reads few-row matrices
+    through descriptors (both measured faster); a benchmark's whole-step timing with the bf16
+    product or the address reads takes them inside the block, an explicit argument wins, what is
+    not given stays the table's, and the table's choice comes back after (also on error)."""
+    table = fp8_gemm_config(16, 4096, 4096, 132)
+    assert table.f16_dot and table.tma
+    with table_choice(f16_dot=False):
+        cfg = fp8_gemm_config(16, 4096, 4096, 132)
+        assert not cfg.f16_dot and cfg.tma
         assert fp8_gemm_config(16, 4096, 4096, 132, f16_dot=True).f16_dot
-    assert fp8_gemm_config(16, 4096, 4096, 132).f16_dot
-    with pytest.raises(RuntimeError), table_product(False):
+    with table_choice(tma=False):
+        cfg = fp8_gemm_config(16, 4096, 4096, 132)
+        assert cfg.f16_dot and not cfg.tma
+        assert fp8_gemm_config(16, 4096, 4096, 132, tma=True).tma
+    assert fp8_gemm_config(16, 4096, 4096, 132) == table
+    with pytest.raises(RuntimeError), table_choice(f16_dot=False, tma=False):
         raise RuntimeError
-    assert fp8_gemm_config(16, 4096, 4096, 132).f16_dot
+    assert fp8_gemm_config(16, 4096, 4096, 132) == table
 
 
 @pytest.mark.parametrize("m,n,k,split_k", [(5, 128, 512, 1), (16, 80, 400, 3), (33, 48, 160, 2)])
@@ -197,17 +203,6 @@ def test_the_table_reads_few_rows_matrices_through_descriptors_with_tiles_of_the
     assert not fp8_gemm_config(17, 28672, 4096, 132).tma
     by_address = fp8_gemm_config(16, 28672, 4096, 132, tma=False)
     assert not by_address.tma and (by_address.block_n, by_address.num_stages) == (64, 4)
-
-
-def test_table_loads_switches_the_tables_reads_inside_its_block_only():
-    assert fp8_gemm_config(16, 4096, 4096, 132).tma
-    with table_loads(False):
-        assert not fp8_gemm_config(16, 4096, 4096, 132).tma
-        assert fp8_gemm_config(16, 4096, 4096, 132, tma=True).tma
-    assert fp8_gemm_config(16, 4096, 4096, 132).tma
-    with pytest.raises(RuntimeError), table_loads(False):
-        raise RuntimeError
-    assert fp8_gemm_config(16, 4096, 4096, 132).tma
 
 
 def test_a_given_tile_sets_the_split_it_needs():
