@@ -27,6 +27,10 @@ one block forward per level for the whole batch), run by the shared method
   rows) that the drafter owns, the target keeping its own; the graphed step multiplies by them
   through the fp8 GEMM (:mod:`sgl_longgen.core.fp8`).
 
+While the step computes, the host does what the verify needs that the tries do not change (the
+worker's shadow) and warms the trie building on the last beam; then it waits once for the beam's
+two read-back tensors and builds the tries.
+
 Lossless whatever the drafter proposes: the trie only decides which tokens the verifier may
 accept; every committed token is drawn by the worker's per-node walk.
 """
