@@ -191,6 +191,8 @@ def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:
 # its matrices read through tensor descriptors where they can be (its table's own))
 DRAFTER_WEIGHTS = {"bf16": (False, True, True), "fp8": (True, True, True), "fp8-bf16": (True, False, True),
                    "fp8-addr": (True, True, False)}
+NGRAM_DRAFT_TOKENS = 16  # SGLang NGRAM's verify width unless --ngram-draft-tokens says otherwise
+OURS = frozenset(SPECULATIVE_ALGORITHMS.values())  # the algorithms our plugin registers
 
 
 @contextlib.contextmanager
@@ -201,8 +203,6 @@ def gemm_table(setting: str):
     _, f16, tma = DRAFTER_WEIGHTS[setting]
     with table_choice(f16_dot=f16, tma=tma):
         yield
-NGRAM_DRAFT_TOKENS = 16  # SGLang NGRAM's verify width unless --ngram-draft-tokens says otherwise
-OURS = frozenset(SPECULATIVE_ALGORITHMS.values())  # the algorithms our plugin registers
 
 
 def greedy(n: int, **extra) -> dict:
@@ -819,8 +819,8 @@ def parser() -> argparse.ArgumentParser:
                    default=["TOKENSWIFT"],
                    help="speculative algorithms of the spec phase, one engine each, in order, on the same prompts "
                         "(OWL/HOWL: a random drafter of --owl-width[0] and --owl-draft-vocab; LONGSPEC: a random "
-                        "drafter block, window 512, --longspec-draft-vocab; NGRAM: SGLang's own, the peer; its --draft-tokens is "
-                        "--ngram-draft-tokens)")
+                        "drafter block, window 512, --longspec-draft-vocab; NGRAM: SGLang's own, the peer; its "
+                        "--draft-tokens is --ngram-draft-tokens)")
     p.add_argument("--drafter-tree-size", type=int, default=None, metavar="N",
                    help="spec phase, OWL/HOWL/LONGSPEC: draft nodes per tree (the drafter directory's [owl] / "
                         "[longspec] tree_size; OWL verifies 2N + 2 rows with [SPEC], so --draft-tokens must hold "

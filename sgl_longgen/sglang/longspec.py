@@ -281,6 +281,7 @@ class LongSpecRequest:
 @dataclass
 class _Batch:
     rings: list[int]  # each request's row of the ring pool
+    max_nodes: int  # each trie's cut (the root included)
     attend: Attend | None  # the eager beam's cross-attention
     # The graphed beam's cross-attention: kv_indptr (the slots themselves are in a buffer per batch size).
     indptr: torch.Tensor | None = None
@@ -329,7 +330,6 @@ class LongSpecDrafter(Drafter):
         self._batch: _Batch | None = None
         self._shadow: Shadow | None = None  # the step's shadow, until it is called
         self._last: tuple[DraftBeam, int] | None = None  # the last beam (a copy) and its max_nodes
-        self._max_nodes = 0  # the step's
         self.staging = Staging(env.device)  # the beam's read-back
         self.context_len = int(runner.model_config.context_len)
         d = self.drafter
@@ -392,8 +392,7 @@ class LongSpecDrafter(Drafter):
             index = [i for i, s in enumerate(steps) if s.blocker is None]
             if index:
                 active = [steps[i] for i in index]
-                self._batch = self._inputs(batch, active)
-                self._max_nodes = max_nodes
+                self._batch = self._inputs(batch, active, max_nodes)
                 proposed = self.method.propose([s.rid for s in active], [s.state.method.method for s in active],
                                                [s.history for s in active], max_nodes)
                 for i, draft in zip(index, proposed):
@@ -425,7 +424,7 @@ class LongSpecDrafter(Drafter):
             for b in range(beam.tokens.shape[0]):
                 beam_tree(beam, 0, b, max_nodes)
 
-    def _inputs(self, batch, active: list[StepRequest]) -> _Batch:
+    def _inputs(self, batch, active: list[StepRequest], max_nodes: int) -> _Batch:
         pool = self.env.runner.token_to_kv_pool
         if not self._pool_checked:
             compat.require_fields("kv_pool", pool)
@@ -445,9 +444,9 @@ class LongSpecDrafter(Drafter):
         rings = [self._ring(s.rid) for s in active]
         if kernel and self._graph() is not None:
             self._buffers = (k_buffer, v_buffer)
-            return _Batch(rings, None, self._graph_slots(rows))
+            return _Batch(rings, max_nodes, None, self._graph_slots(rows))
         attend = committed_attention(k_buffer, v_buffer, rows, self.drafter.cross_attn.scale, kernel)
-        return _Batch(rings, attend)
+        return _Batch(rings, max_nodes, attend)
 
     def _graph(self) -> GraphedBeam | None:
         """The graphed step, captured again after the ring pool grew (its graphs hold the old
@@ -508,7 +507,7 @@ class LongSpecDrafter(Drafter):
         if bool(broken.any()):
             raise AssertionError("the cut tree is not closed under ancestors")
         # the staging buffers take the next beam while the next shadow rehearses this one
-        self._last = (beam_of_rows(host[0].clone(), host[1].clone())[0], self._max_nodes)
+        self._last = (beam_of_rows(host[0].clone(), host[1].clone())[0], b.max_nodes)
         return beam
 
     def _graph_of_step(self) -> GraphedBeam:
