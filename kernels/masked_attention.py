@@ -1,0 +1,173 @@
+"""Triton kernel: LongSpec's window self-attention, a few query rows over a small masked key set.
+
+Each drafter step attends ``T`` (1 to 16) query rows per request over the ``S`` (some 512 to 575)
+keys of its ring window and draft tree, under a boolean mask. Through
+``F.scaled_dot_product_attention`` that cost some 17 us per call for 16 rows on an H200 (cudnn's
+setup and launches dominate work this small), plus separate kernels to expand and convert the mask.
+Here it is one small launch meant to take a few microseconds, reading the ``bool`` mask as it is.
+
+GQA is folded into the rows, as in :mod:`.tree_attention`: a program owns one (request, KV head)
+pair and ``BLOCK_M`` of its ``T * GROUP`` query rows, row ``r`` being token ``r // GROUP`` and query
+head ``kv_head * GROUP + r % GROUP``, so each key/value tile is loaded once for the query heads that
+share it. Keys go by in tiles of ``BLOCK_N`` with an online softmax in base 2. Keys and values may
+be slices of a larger buffer (their strides are passed), so a growing ``S`` needs no copy. Launch
+shapes follow from the tensor shapes alone, with no host synchronisation: CUDA-graph capturable.
+
+A row that sees no key at all (never in LongSpec, where every row sees at least itself) gets a
+zero output rather than SDPA's NaN; :func:`masked_attention_reference`, the PyTorch twin, does
+the same so that the two agree everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .triton_common import LOG2_E, check_head_dim, interpreting, next_pow2, upcast_dots
+
+BLOCK_N = 64
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 goes through the twin
+
+
+@triton.jit
+def _masked_attention_kernel(
+    Q, K, V, Mask, O,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_mb, stride_mt, stride_ms,
+    stride_ob, stride_ot, stride_oh,
+    qk_scale,  # scale * log2(e)
+    num_rows,  # T
+    num_keys,  # S
+    num_kv_heads,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    kv_head = pid_bh % num_kv_heads
+
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_ok = t < num_rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + kv_head * stride_kh
+    v_base = V + b * stride_vb + kv_head * stride_vh
+    m_base = Mask + b * stride_mb + t[:, None] * stride_mt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(0, num_keys, BLOCK_N):
+        s_idx = start + tl.arange(0, BLOCK_N)
+        s_ok = s_idx < num_keys
+        kv_ok = s_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + s_idx[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = tl.load(m_base + s_idx[None, :] * stride_ms, mask=row_ok[:, None] & s_ok[None, :], other=0)
+        s = tl.where(visible != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: shift by 0, not -inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + s_idx[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
+        p = p.to(V.dtype.element_ty)
+        if UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row with no visible key: acc = 0, o = 0
+    tl.store(O + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Rows ``q`` ``[B, T, H, D]`` over ``keys``/``values`` ``[B, Hkv, S, D]`` where the bool
+    ``mask`` ``[B, T, S]`` is True; ``[B, T, H * D]`` in ``q``'s dtype.
+
+    Any strides with a contiguous last dimension. ``H`` must be a multiple of ``Hkv`` (query head
+    ``h`` uses KV head ``h // (H // Hkv)``). A row with no True in its mask gets zeros. float64, and
+    CPU tensors outside the Triton interpreter, go through :func:`masked_attention_reference`.
+    """
+    _check_inputs(q, keys, values, mask)
+    B, T, H, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    if q.dtype == torch.float64 or (not q.is_cuda and not interpreting(_masked_attention_kernel)):
+        return masked_attention_reference(q, keys, values, mask, scale)
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out.flatten(-2)
+    group = H // Hkv
+    block_m = min(64, max(16, next_pow2(T * group)))
+    upcast = upcast_dots(_masked_attention_kernel)
+    mask_u8 = mask.view(torch.uint8)
+    grid = (triton.cdiv(T * group, block_m), B * Hkv)
+    _masked_attention_kernel[grid](
+        q, keys, values, mask_u8, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        scale * LOG2_E, T, S, Hkv,
+        GROUP=group, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        UPCAST=upcast, PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    return out.flatten(-2)
+
+
+def masked_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                               mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The PyTorch twin (SDPA), with zeros instead of NaN for a row whose mask has no True."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1),
+                                         scale=scale, enable_gqa=keys.shape[1] != q.shape[2])
+    out = torch.where(mask.any(-1)[:, :, None, None], out.transpose(1, 2), 0.0)
+    return out.flatten(-2)
+
+
+def _check_inputs(q, keys, values, mask) -> None:
+    if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4 or mask.dim() != 3:
+        raise ValueError(f"expected q [B, T, H, D], keys/values [B, Hkv, S, D] and mask [B, T, S], got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
+    if q.dtype not in KERNEL_DTYPES + (torch.float64,):
+        raise ValueError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    if keys.dtype != q.dtype or values.dtype != q.dtype:
+        raise ValueError(f"q, keys and values must share one dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
+    B, T, H, D = q.shape
+    if keys.shape != values.shape or keys.shape[0] != B or keys.shape[3] != D:
+        raise ValueError(f"keys and values must both be [B={B}, Hkv, S, D={D}], "
+                         f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if keys.shape[1] == 0 or H % keys.shape[1] != 0:
+        raise ValueError(f"the {H} query heads must be a multiple of the {keys.shape[1]} KV heads")
+    if mask.shape != (B, T, keys.shape[2]):
+        raise ValueError(f"mask must be [B, T, S] = {(B, T, keys.shape[2])}, got {tuple(mask.shape)}")
+    if any(x.device != q.device for x in (keys, values, mask)):
+        raise ValueError("q, keys, values and mask must be on one device")
+    for name, x in (("q", q), ("keys", keys), ("values", values)):
+        if x.stride(-1) != 1 and x.shape[-1] > 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    check_head_dim(D)
