@@ -56,17 +56,15 @@ def _(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-@torch.library.custom_op("sgl_longgen::level_topk", mutates_args=())
-def _level_topk_op(logits: torch.Tensor, parent_scores: torch.Tensor | None, width: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _topk.level_topk(logits, parent_scores, width)
+@torch.library.custom_op("sgl_longgen::log_softmax_topk", mutates_args=())
+def _log_softmax_topk_op(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _topk.log_softmax_topk(logits, k)
 
 
-@_level_topk_op.register_fake
-def _(logits, parent_scores, width):
-    shape = (logits.shape[0], width)
-    return (logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64),
-            logits.new_empty(shape, dtype=torch.int64))
+@_log_softmax_topk_op.register_fake
+def _(logits, k):
+    shape = (*logits.shape[:-1], k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
 
 
 @torch.library.custom_op("sgl_longgen::masked_attention", mutates_args=())
@@ -83,5 +81,5 @@ def _(q, keys, values, mask, scale):
 # Each takes its op's arguments, positionally: the kernels' defaults (table config, no outputs given).
 fp8_gemm = _when_compiling(_fp8_gemm_op, _fp8.fp8_gemm)
 prefix_attention = _when_compiling(_prefix_attention_op, _prefix.prefix_attention)
-level_topk = _when_compiling(_level_topk_op, _topk.level_topk)
+log_softmax_topk = _when_compiling(_log_softmax_topk_op, _topk.log_softmax_topk)
 masked_attention = _when_compiling(_masked_attention_op, _masked.masked_attention)

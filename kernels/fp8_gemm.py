@@ -26,15 +26,8 @@ the matrix is fp8, read at one byte per entry:
   per-entry addresses and masks, the same sums in the same order: on an H200, 13-30% less time
   a matrix at 16 rows than the address reads, 15% off LongSpec's compiled draft step;
 * with few row blocks (a 4096-row matrix is 64 blocks for 132 SMs) K is split: each split writes
-  float32 partial sums to a workspace and counts itself in on its tile's arrival counter; the
-  split that arrives last adds the tile's partials in split order, scales, casts and puts the
-  counter back to zero. The sums do not depend on which split arrives last (the same bits on every
-  call) and no second launch is needed: on an H200 the separate sum kernel cost LongSpec's draft
-  step 25 launches, some 40 us. The counters are one zeroed buffer per GPU, allocated outside any
-  capture and shared by every call: split GEMMs of one GPU must not run concurrently on two
-  streams (the drafters run theirs on the engine's one forward stream). A call that finds no
-  buffer while a CUDA graph is being captured (nothing split ran on that GPU before) sums in
-  :func:`_split_sum_kernel`, a second launch, instead.
+  float32 partial sums to a workspace and :func:`_split_sum_kernel` adds them in split order,
+  scales and casts (no atomics: the same bits on every call).
 
 Tiles come from a small fixed table keyed by the row count, the split from the grid's size against
 the SM count: every shape follows from the operands' shapes and nothing is read back, so the
@@ -95,8 +88,6 @@ TMA_ROWS = 16
 _TMA_WIDE = (128, 256, 8, 3)
 _TMA_NARROW = (64, 256, 4, 3)
 
-COUNTERS = 1 << 14  # arrival counters per GPU: tiles of one split call (a split grid has < 1.5 programs per SM)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> its zeroed arrival counters
 _SMS: dict[int, int] = {}  # CUDA device index -> SM count
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
 # What the table gives: bf16 activations' product in fp16, W read through a descriptor where it can be
@@ -183,10 +174,10 @@ def _split(tiles: int, k: int, block_k: int, sms: int) -> int:
 
 
 @triton.jit
-def _fp8_gemm_kernel(X, W, Scale, Out, Part, Count, M, N, K, stride_xm, stride_wn, k_per_split,
+def _fp8_gemm_kernel(X, W, Scale, Out, Part, M, N, K, stride_xm, stride_wn, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     F16_DOT: tl.constexpr, TMA: tl.constexpr, FOLD: tl.constexpr):
+                     F16_DOT: tl.constexpr, TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -232,19 +223,6 @@ def _fp8_gemm_kernel(X, W, Scale, Out, Part, Count, M, N, K, stride_xm, stride_w
     else:
         rows = (pid_k * M + offs_m[None, :]).to(tl.int64)
         tl.store(Part + rows * N + offs_n[:, None], acc, mask=keep)
-        if FOLD:  # the last split of this tile to arrive sums them all (module docstring)
-            tile = pid_m * tl.num_programs(0) + pid_n
-            tl.debug_barrier()  # every thread's partials stored before the count is released
-            if tl.atomic_add(Count + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    part = Part + (s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
-                    total += tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")
-                scale = tl.load(Scale + offs_n, mask=n_ok, other=0.0)
-                y = total * scale[:, None]
-                tl.store(Out + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], y.to(Out.dtype.element_ty),
-                         mask=keep)
-                tl.atomic_xchg(Count + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -259,28 +237,11 @@ def _split_sum_kernel(Part, Scale, Out, M, N, SPLIT: tl.constexpr, BLOCK: tl.con
     tl.store(Out + m.to(tl.int64) * N + offs, (acc * scale).to(Out.dtype.element_ty), mask=ok)
 
 
-def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The GPU's zeroed arrival counters for a split call of ``tiles`` tiles (module docstring),
-    allocated on first use; None where they cannot serve: more tiles than :data:`COUNTERS`, or a
-    first use inside a CUDA graph capture (an allocation there would belong to the graph)."""
-    if tiles > COUNTERS:
-        return None
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
 def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int | None = None,
-             config: Fp8GemmConfig | None = None, fold: bool = True) -> torch.Tensor:
+             config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """``x @ (q * scale[:, None]).T`` for ``x`` ``[..., K]`` (bf16, fp16 or fp32), ``q`` e4m3
     ``[N, K]`` and ``scale`` float32 ``[N]``: ``[..., N]`` in ``x``'s dtype, summed in float32.
-    ``split_k`` (or a whole ``config``) overrides the heuristic of :func:`fp8_gemm_config`;
-    ``fold=False`` sums a split in a second launch (the same bits; for tests and benchmarks)."""
+    ``split_k`` (or a whole ``config``) overrides the heuristic of :func:`fp8_gemm_config`."""
     if q.dtype != E4M3 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != q.shape[:1]:
         raise ValueError(f"fp8_gemm takes an e4m3 [N, K] matrix and float32 [N] scales, got {q.dtype} "
                          f"{tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
@@ -309,17 +270,15 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int
     part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     upcast = upcast_dots(_fp8_gemm_kernel)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    count = arrival_counters(x.device, grid[0] * grid[2]) if split > 1 and fold else None
     tma = cfg.tma and possible
     w = TensorDescriptor.from_tensor(q, [cfg.block_n, cfg.block_k]) if tma else q
-    _fp8_gemm_kernel[grid](rows, w, scale, out, part, count if count is not None else scale, m, n, k,
-                           rows.stride(0), q.stride(0), k_per_split,
+    _fp8_gemm_kernel[grid](rows, w, scale, out, part, m, n, k, rows.stride(0), q.stride(0), k_per_split,
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                            EVEN_K=k == split * k_per_split, UPCAST=upcast,
                            IEEE=x.dtype == torch.float32 and not upcast,
-                           F16_DOT=cfg.f16_dot and x.dtype == torch.bfloat16, TMA=tma, FOLD=count is not None,
+                           F16_DOT=cfg.f16_dot and x.dtype == torch.bfloat16, TMA=tma,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1 and count is None:
+    if split > 1:
         block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](part, scale, out, m, n, SPLIT=split, BLOCK=block,
                                                       num_warps=4)

@@ -858,7 +858,7 @@ class BeamPlan:
             w.append(min(x, w[-1] * vocab))
         self.widths, self.depth = tuple(w), len(w)
         self.tree_size, self.vocab, self.window = tree_size, vocab, window
-        self.fused_topk = fused_topk  # on a GPU, each level's pick through the Triton kernels
+        self.fused_topk = fused_topk  # on a GPU, each row's top-k through the Triton kernel
         self.feed = max(1, min(feed, window))  # two positions of one ring slot never share a feed
         self.offsets = tuple(itertools.accumulate(w, initial=0))
         self.forwarded = P = self.offsets[-1] - w[-1]
@@ -1035,8 +1035,7 @@ def _self_attend(drafter: LongSpecDrafter, q: torch.Tensor, keys: torch.Tensor, 
                  mask: torch.Tensor) -> torch.Tensor:
     """Rows ``q`` ``[B, T, H, D]`` over ``keys``/``values`` ``[B, Hkv, S, D]`` where ``mask``
     ``[B, T, S]`` allows; ``[B, T, H * D]``. On a GPU one Triton launch that reads the mask as it
-    is (``kernels/masked_attention.py``; SDPA took some 17 us a level for 16 rows, plus kernels
-    to expand the mask); elsewhere SDPA, its twin."""
+    is (``kernels/masked_attention.py``); elsewhere SDPA, its twin."""
     if q.is_cuda and q.dtype != torch.float64:
         from ..kernels.custom_ops import masked_attention  # one node of a torch.compile'd step
 
@@ -1062,29 +1061,24 @@ def _block_tail(drafter: LongSpecDrafter, x: torch.Tensor, a: torch.Tensor, cos:
     return _norm(drafter.norm, h)
 
 
-def _level_top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, parent_scores: torch.Tensor | None,
-               width: int, plan: BeamPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A level's ``width`` best children of the frontier states ``h`` ``[B, n, d]``: their scores
-    (``parent_scores`` ``[B, n]`` plus the log-probability; None at the root: the log-probability
-    alone), draft ids and frontier rows, ``[B, width]``. On a GPU two Triton launches from the
-    logits (``kernels/longspec_topk.py``: each row's log-sum-exp and chunk candidates, then the
-    level's pick) instead of a vocabulary-wide log-softmax and two ``torch.topk``; elsewhere
-    those (:func:`best_of_rows`)."""
+def _row_top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, k: int, plan: BeamPlan
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` best next tokens: their log-probabilities (float32; float64 for a float64
+    drafter) and draft ids. On a GPU one Triton pass over the logits (``kernels/longspec_topk.py``:
+    the log-sum-exp and the top ``k`` per row, ties lowest id first) instead of a vocabulary-wide
+    log-softmax and ``torch.topk``'s multi-block radix select; elsewhere those two."""
     logits = head(h)
     if logits.shape[-1] != plan.vocab:
         raise ValueError(f"the beam was planned for {plan.vocab} draft tokens but the head gave {logits.shape[-1]} "
                          "logits: pass draft_head(drafter, ...)")
     if plan.fused_topk and logits.is_cuda and h.dtype != torch.float64:
-        from ..kernels.custom_ops import level_topk  # one node of a torch.compile'd step
+        from ..kernels.custom_ops import log_softmax_topk  # one node of a torch.compile'd step
         from ..kernels.longspec_topk import MAX_K
 
-        if width <= MAX_K:
-            return level_topk(logits, parent_scores, width)
+        if k <= MAX_K:
+            return log_softmax_topk(logits, k)
     logp = F.log_softmax(logits, dim=-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
-    if parent_scores is None:
-        score, pick = logp[:, 0].topk(width, dim=-1)
-        return score, pick, torch.zeros_like(pick)
-    return best_of_rows(parent_scores, *logp.topk(min(width, plan.vocab), dim=-1), width)
+    return logp.topk(k, dim=-1)
 
 
 def _store(pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
@@ -1180,7 +1174,7 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
     root = slice(Fw - 1, Fw)
     a = _self_attend(drafter, qk[:, root, :H], keys[:, :, :W], values[:, :, :W], visible[:, :1])
     h = _block_tail(drafter, x[:, root], a, cos[:, root], sin[:, root], attend)
-    score, pick, _ = _level_top(head, h, None, plan.widths[0], plan)
+    score, pick = (t[:, 0] for t in _row_top(head, h, plan.widths[0], plan))
     levels = [(score, drafter.to_target(pick), plan.first_parents.expand(B, -1))]
     ancestors = plan.ancestors(B)
     for level in range(2, D + 1):
@@ -1194,7 +1188,7 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
         a = _self_attend(drafter, qk[:, :, :H], keys[:, :, : W + lo + n], values[:, :, : W + lo + n], mask)
         h = _block_tail(drafter, x, a, cos[:, at], sin[:, at], attend)
         width = plan.widths[level - 1]
-        score, pick, row = _level_top(head, h, levels[-1][0], width, plan)
+        score, pick, row = best_of_rows(levels[-1][0], *_row_top(head, h, min(width, plan.vocab), plan), width)
         parent = row + lo
         if level < D:
             plan.add_ancestors(ancestors, parent, level)

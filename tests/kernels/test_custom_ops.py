@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from sgl_longgen.kernels import custom_ops
 from sgl_longgen.kernels.fp8_gemm import fp8_gemm
-from sgl_longgen.kernels.longspec_topk import level_topk
+from sgl_longgen.kernels.longspec_topk import log_softmax_topk
+from sgl_longgen.kernels.masked_attention import masked_attention
 from sgl_longgen.kernels.prefix_attention import prefix_attention
 
 from sgl_longgen.core.fp8 import quantize
@@ -53,18 +54,28 @@ def test_prefix_attention_is_one_node_of_a_trace():
     assert torch.equal(out, want_out * 2) and torch.equal(lse, want_lse)
 
 
-def test_the_level_pick_is_one_node_of_a_trace():
-    g = torch.Generator().manual_seed(2)
-    logits = torch.randn(3, 5, 300, generator=g).to(DEVICE)
-    parents = torch.randn(3, 5, generator=g).to(DEVICE)
+def test_the_top_k_is_one_node_of_a_trace():
+    logits = torch.randn(3, 5, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE)
 
-    def top(logits, parents):
-        score, token, row = custom_ops.level_topk(logits * 0.5, parents, 4)
-        root = custom_ops.level_topk(logits[:, :1], None, 4)
-        return score.exp(), token, row, root
+    def top(logits):
+        values, ids = custom_ops.log_softmax_topk(logits * 0.5, 4)
+        return values.exp(), ids
 
-    want = level_topk(logits * 0.5, parents, 4)
-    score, token, row, root = traced(top)(logits, parents)
-    assert token.dtype == row.dtype == torch.int64 and torch.equal(token, want[1]) and torch.equal(row, want[2])
-    assert torch.equal(score, want[0].exp())
-    assert all(torch.equal(a, b) for a, b in zip(root, level_topk(logits[:, :1], None, 4)))
+    want_v, want_i = log_softmax_topk(logits * 0.5, 4)
+    values, ids = traced(top)(logits)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_i) and torch.equal(values, want_v.exp())
+
+
+def test_the_window_attention_is_one_node_of_a_trace():
+    g = torch.Generator().manual_seed(3)
+    qk = torch.randn(2, 4, 6, 16, generator=g).to(DEVICE)  # 4 query heads, 2 KV heads' keys after them
+    keys = torch.randn(2, 2, 40, 16, generator=g).to(DEVICE)[:, :, :33]
+    values = torch.randn(2, 2, 40, 16, generator=g).to(DEVICE)[:, :, :33]
+    mask = (torch.rand(2, 4, 33, generator=g) < 0.5).to(DEVICE)
+    mask[..., 0] = True
+
+    def attend(qk):
+        return custom_ops.masked_attention(qk[:, :, :4], keys, values, mask, 0.25) * 2
+
+    want = masked_attention(qk[:, :, :4], keys, values, mask, 0.25) * 2
+    assert torch.equal(traced(attend)(qk), want)

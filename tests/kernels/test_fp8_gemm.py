@@ -118,21 +118,6 @@ def test_a_split_sums_the_same_bits_on_every_call():
     torch.testing.assert_close(first, fp8_gemm(x, q, scale, split_k=1), rtol=1e-5, atol=1e-5 * first.abs().max().item())
 
 
-@pytest.mark.parametrize("m,split_k", [(5, 4), (16, 3), (33, 2)])
-def test_the_last_split_to_arrive_sums_the_bits_of_a_second_launch(m, split_k):
-    """A split tile's sum in its last program (arrival counters) is the separate sum kernel's,
-    bit for bit, whichever split arrives last; the counters are back at zero afterwards (the
-    next call's tiles count from zero)."""
-    from sgl_longgen.kernels.fp8_gemm import arrival_counters
-
-    x, q, scale = operands(m, 80, 400, seed=m)
-    folded = fp8_gemm(x, q, scale, split_k=split_k)
-    assert torch.equal(folded, fp8_gemm(x, q, scale, split_k=split_k, fold=False))
-    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
-    assert torch.equal(fp8_gemm(x, q, scale, split_k=split_k), folded)
-    assert_twin(folded, x, q, scale)
-
-
 def test_empty_operands():
     x, q, scale = operands(0, 32, 64)
     assert fp8_gemm(x, q, scale).shape == (0, 32)
