@@ -67,6 +67,18 @@ def _(logits, k):
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
 
 
+@torch.library.custom_op("sgl_longgen::best_of_rows", mutates_args=())
+def _best_of_rows_op(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, width: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _topk.best_of_rows(parent_scores, top, ids, width)
+
+
+@_best_of_rows_op.register_fake
+def _(parent_scores, top, ids, width):
+    shape = (top.shape[0], width)
+    return top.new_empty(shape), ids.new_empty(shape), ids.new_empty(shape, dtype=torch.int64)
+
+
 @torch.library.custom_op("sgl_longgen::masked_attention", mutates_args=())
 def _masked_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
@@ -82,4 +94,5 @@ def _(q, keys, values, mask, scale):
 fp8_gemm = _when_compiling(_fp8_gemm_op, _fp8.fp8_gemm)
 prefix_attention = _when_compiling(_prefix_attention_op, _prefix.prefix_attention)
 log_softmax_topk = _when_compiling(_log_softmax_topk_op, _topk.log_softmax_topk)
+best_of_rows = _when_compiling(_best_of_rows_op, _topk.best_of_rows)
 masked_attention = _when_compiling(_masked_attention_op, _masked.masked_attention)

@@ -32,8 +32,27 @@ import triton.language as tl
 from .triton_common import LOG2_E, check_head_dim, interpreting, next_pow2, upcast_dots
 
 BLOCK_M = 16  # query rows (tokens x folded heads) a program
-BLOCK_N = 128  # keys a tile
+BLOCK_N = 128  # keys a tile, at most (fewer where the stages would not fit in shared memory)
 NUM_STAGES = 3
+_SMEM: dict[int, int] = {}  # CUDA device index -> shared memory a block may opt into
+
+
+def key_tiles(device: torch.device, block_d: int, itemsize: int) -> tuple[int, int]:
+    """``(BLOCK_N, num_stages)``: the sweep's 128 keys and three stages, keys halved (then stages
+    cut to two) until the staged key and value tiles (``stages * 2 * BLOCK_N * block_d`` entries)
+    fit the GPU's shared memory: fp32 operands or a 256-wide head on a Hopper, smaller GPUs."""
+    limit = 96 * 1024
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SMEM:
+            _SMEM[index] = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+        limit = int(_SMEM[index] * 0.85)
+    block_n, stages = BLOCK_N, NUM_STAGES
+    while stages * 2 * block_n * block_d * itemsize > limit and block_n > 16:
+        block_n //= 2
+    while stages * 2 * block_n * block_d * itemsize > limit and stages > 1:
+        stages -= 1
+    return block_n, stages
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 goes through the twin
 
 
@@ -126,6 +145,8 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return out.flatten(-2)
     group = H // Hkv
     block_m = BLOCK_M if not interpreting(_masked_attention_kernel) else min(64, max(16, next_pow2(T * group)))
+    block_d = max(16, next_pow2(D))
+    block_n, stages = key_tiles(q.device, block_d, q.element_size())
     upcast = upcast_dots(_masked_attention_kernel)
     mask_u8 = mask.view(torch.uint8)
     grid = (triton.cdiv(T * group, block_m), B * Hkv)
@@ -137,9 +158,9 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         scale * LOG2_E, T, S, Hkv,
-        GROUP=group, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=upcast, PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=NUM_STAGES,
+        num_warps=4, num_stages=stages,
     )
     return out.flatten(-2)
 

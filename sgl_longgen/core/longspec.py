@@ -1081,6 +1081,19 @@ def _row_top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, k: i
     return logp.topk(k, dim=-1)
 
 
+def _best_of_level(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, width: int, plan: BeamPlan
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`best_of_rows`; on a GPU one Triton launch (``kernels/longspec_topk.py``) where
+    ``torch.topk`` of the level's few hundred candidates is a sort and a gather."""
+    if plan.fused_topk and top.is_cuda and top.dtype == torch.float32:
+        from ..kernels.custom_ops import best_of_rows as best_of_rows_kernel
+        from ..kernels.longspec_topk import MAX_K
+
+        if width <= min(MAX_K, top.shape[-2] * top.shape[-1]):
+            return best_of_rows_kernel(parent_scores, top, ids, width)
+    return best_of_rows(parent_scores, top, ids, width)
+
+
 def _store(pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
            rows: torch.Tensor) -> None:
     """Fed K/V ``[B, T, Hkv, D]`` into their rings; ``rows`` ``[B, 3T]``: ring row, slot, recorded position."""
@@ -1188,7 +1201,7 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
         a = _self_attend(drafter, qk[:, :, :H], keys[:, :, : W + lo + n], values[:, :, : W + lo + n], mask)
         h = _block_tail(drafter, x, a, cos[:, at], sin[:, at], attend)
         width = plan.widths[level - 1]
-        score, pick, row = best_of_rows(levels[-1][0], *_row_top(head, h, min(width, plan.vocab), plan), width)
+        score, pick, row = _best_of_level(levels[-1][0], *_row_top(head, h, min(width, plan.vocab), plan), width, plan)
         parent = row + lo
         if level < D:
             plan.add_ancestors(ancestors, parent, level)

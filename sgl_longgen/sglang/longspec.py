@@ -233,7 +233,7 @@ class GraphedBeam:
         from ..core.cuda_graph import GraphedFunction
 
         self.fn = fn
-        self.graphed = GraphedFunction(fn)
+        self.graphed = GraphedFunction(fn, static_inputs=True)  # the drafter's input buffers, filled in place
         self.checked: set[int] = set()
         self.enabled = True
 
@@ -283,8 +283,9 @@ class _Batch:
     rings: list[int]  # each request's row of the ring pool
     max_nodes: int  # each trie's cut (the root included)
     attend: Attend | None  # the eager beam's cross-attention
-    # The graphed beam's cross-attention: kv_indptr (the slots themselves are in a buffer per batch size).
-    indptr: torch.Tensor | None = None
+    # The graphed beam's cross-attention: each request's committed length (its slots are in a
+    # buffer per batch size, kv_indptr travels with the step's input).
+    lengths: list[int] | None = None
 
 
 class LongSpecDrafter(Drafter):
@@ -339,6 +340,7 @@ class LongSpecDrafter(Drafter):
         self.plan = BeamPlan.for_drafter(d, self.widths, self.tree_size, DEFAULT_FEED, self.dtype, env.device)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's last-layer K/V
         self._slots: dict[int, torch.Tensor] = {}  # batch size -> the graphed beam's kv_indices
+        self._step_in: dict[int, torch.Tensor] = {}  # batch size -> the graphed beam's input (step rows, kv_indptr)
         # On a GPU the step replays as CUDA graphs; its RoPE then reads a table of its own (a graph
         # keeps addresses: SGLang may recast its table, the copy never moves).
         self._graphed = None
@@ -458,9 +460,9 @@ class LongSpecDrafter(Drafter):
             self._graph_version = self.pool.version
         return self._graphed
 
-    def _graph_slots(self, rows: list[torch.Tensor]) -> torch.Tensor:
+    def _graph_slots(self, rows: list[torch.Tensor]) -> list[int]:
         """The batch's committed slots into its batch size's kv_indices buffer (a fixed address a
-        graph reads; one copy on the device); returns kv_indptr, on the device."""
+        graph reads; one copy on the device); returns their lengths."""
         B = len(rows)
         buf = self._slots.get(B)
         if buf is None:
@@ -470,8 +472,7 @@ class LongSpecDrafter(Drafter):
             buf[:total].copy_(rows[0])
         else:
             torch.cat([r.to(torch.int32) for r in rows], out=buf[:total])
-        indptr = torch.tensor(list(itertools.accumulate((r.numel() for r in rows), initial=0)), dtype=torch.int32)
-        return to_device(indptr, self.env.device)
+        return [r.numel() for r in rows]
 
     def _expand(self, rids, pending, starts):
         """Long feeds join their rings eagerly (a request's first draft), then one step for the
@@ -483,13 +484,15 @@ class LongSpecDrafter(Drafter):
         pre, step = self.plan.pack(pending, starts, b.rings, self.pool.scratch)
         if pre is not None:
             feed_rings(self.drafter, self.embedding, self.rope, self.pool, to_device(pre, dev), self.plan)
-        step = to_device(step, dev)
-        clock.gpu_mark("draft_gpu")
-        if b.indptr is None:
+        if b.lengths is None:
+            clock.gpu_mark("draft_gpu")
             rows = beam_rows(*expand_rings(self.drafter, self.embedding, self._head, self.rope,
-                                           (self.pool.k, self.pool.v, self.pool.pos), step, b.attend, self.plan))
+                                           (self.pool.k, self.pool.v, self.pool.pos), to_device(step, dev),
+                                           b.attend, self.plan))
         else:
-            rows = self._graphed(step, b.indptr)
+            step_in, indptr = self._graph_input(step, b.lengths)
+            clock.gpu_mark("draft_gpu")
+            rows = self._graphed(step_in, indptr)
         clock.gpu_mark("draft_gpu")
         host = [self.staging(name, t.numel(), t.dtype).view(t.shape).copy_(t, non_blocking=True)
                 for name, t in zip(("beam_ints", "beam_scores"), rows)]
@@ -510,6 +513,20 @@ class LongSpecDrafter(Drafter):
         self._last = (beam_of_rows(host[0].clone(), host[1].clone())[0], b.max_nodes)
         return beam
 
+    def _graph_input(self, step: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows and kv_indptr (int64) in the batch size's input buffer, the graph's own
+        input: written into one page-locked buffer and copied over once (no copies at the replay)."""
+        B, C = step.shape
+        buf = self._step_in.get(B)
+        if buf is None:
+            buf = self._step_in[B] = torch.zeros(B * C + B + 1, dtype=torch.long, device=self.env.device)
+        host = self.staging("step_in", buf.numel(), torch.long)
+        ints = host.numpy()
+        ints[: B * C] = step.numpy().reshape(-1)
+        ints[B * C :] = list(itertools.accumulate(lengths, initial=0))
+        buf.copy_(host, non_blocking=True)
+        return buf[: B * C].view(B, C), buf[B * C :]
+
     def _graph_of_step(self) -> GraphedBeam:
         """The step's graphs; ``beam = "compiled"``: of the step ``torch.compile``d, traced during
         the first capture's warm-up runs of each batch size, its kernels single nodes of the
@@ -520,7 +537,7 @@ class LongSpecDrafter(Drafter):
         """The graphed step's body: fixed shapes for a batch size; the ring pool, the batch size's
         kv_indices and the pool's last-layer K/V read (and the rings written) in place."""
         k_buffer, v_buffer = self._buffers
-        attend = kernel_attention(k_buffer, v_buffer, kv_indptr, self._slots[step.shape[0]],
+        attend = kernel_attention(k_buffer, v_buffer, kv_indptr.to(torch.int32), self._slots[step.shape[0]],
                                   self.drafter.cross_attn.scale)
         return beam_rows(*expand_rings(self.drafter, self.embedding, self._head, self.rope,
                                        (self.pool.k, self.pool.v, self.pool.pos), step, attend, self.plan))

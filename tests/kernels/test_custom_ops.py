@@ -79,3 +79,20 @@ def test_the_window_attention_is_one_node_of_a_trace():
 
     want = masked_attention(qk[:, :, :4], keys, values, mask, 0.25) * 2
     assert torch.equal(traced(attend)(qk), want)
+
+
+def test_the_level_pick_is_one_node_of_a_trace():
+    from sgl_longgen.kernels.longspec_topk import best_of_rows
+
+    g = torch.Generator().manual_seed(4)
+    top = torch.randn(2, 4, 3, generator=g).to(DEVICE)
+    ids = torch.randint(0, 100, (2, 4, 3), generator=g).to(DEVICE)
+    parents = torch.randn(2, 4, generator=g).to(DEVICE)
+
+    def pick(parents):
+        score, token, row = custom_ops.best_of_rows(parents * 2, top, ids, 5)
+        return score + 1, token, row
+
+    want = best_of_rows(parents * 2, top, ids, 5)
+    score, token, row = traced(pick)(parents)
+    assert torch.equal(score, want[0] + 1) and torch.equal(token, want[1]) and torch.equal(row, want[2])

@@ -123,3 +123,18 @@ def test_cuda_graph_replay_sees_new_inputs():
         dst.copy_(src)
     graph.replay()
     assert close(out, masked_attention_reference(q, keys, values, mask, scale), torch.bfloat16)
+
+
+def test_key_tiles_fit_the_gpus_shared_memory(monkeypatch):
+    """The sweep's tiles where they fit (bf16, 128-wide heads on an H200), fewer keys a tile for
+    fp32 operands or wider heads (on an H200 fp32 at 128 keys asked 276 KB of 227), and for a GPU
+    with less shared memory."""
+    from sgl_longgen.kernels import masked_attention as module
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setitem(module._SMEM, 0, 232448)  # an H200's opt-in shared memory per block
+    assert module.key_tiles(gpu, 128, 2) == (module.BLOCK_N, module.NUM_STAGES)
+    assert module.key_tiles(gpu, 128, 4) == (64, 3) and module.key_tiles(gpu, 256, 2) == (64, 3)
+    monkeypatch.setitem(module._SMEM, 0, 101376)
+    block_n, stages = module.key_tiles(gpu, 128, 2)
+    assert stages * 2 * block_n * 128 * 2 <= 101376 * 0.85 and block_n >= 16

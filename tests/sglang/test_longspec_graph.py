@@ -4,6 +4,7 @@ check's own logic is what is tested here; the GPU run replays real graphs)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sgl_longgen.sglang.longspec import GraphedBeam
@@ -53,3 +54,24 @@ def test_a_failing_capture_falls_back_to_the_eager_beam(caplog):
     beam = GraphedBeam(fn)
     out = beam(torch.tensor([7]))
     assert out[0].tolist() == [7] and not beam.enabled and "drafting eagerly" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_static_inputs_are_read_in_place_and_other_tensors_copied_in():
+    """With ``static_inputs`` the graph reads the first call's tensors themselves: refilling them
+    in place (as the drafter's input buffer is, by one host copy) is what the next replay sees;
+    a call with other tensors still gets their values copied in."""
+    from sgl_longgen.core.cuda_graph import GraphedFunction
+
+    x, y = torch.arange(4.0, device="cuda"), torch.ones(4, device="cuda")
+    graphed = GraphedFunction(lambda a, b: (a * 2 + b,), static_inputs=True)
+    assert graphed(x, y)[0].tolist() == [1, 3, 5, 7]
+    x.copy_(torch.tensor([10.0, 20, 30, 40]), non_blocking=True)
+    assert graphed(x, y)[0].tolist() == [21, 41, 61, 81]
+    other = torch.full((4,), 5.0, device="cuda")
+    assert graphed(other, y)[0].tolist() == [11, 11, 11, 11] and x.tolist() == [5, 5, 5, 5]
+    plain = GraphedFunction(lambda a, b: (a * 2 + b,))
+    z = torch.zeros(4, device="cuda")
+    assert plain(z, y)[0].tolist() == [1, 1, 1, 1]
+    z.fill_(1.0)  # a copy was captured: the caller's tensor is copied in at each call, not read in place
+    assert plain(z, y)[0].tolist() == [3, 3, 3, 3]
