@@ -1,6 +1,7 @@
-"""Triton kernel: LongSpec's window self-attention, a few query rows over a small masked key set.
+"""Triton kernel: a few query rows over a small masked key set (LongSpec's window self-attention,
+the tree half of hybrid attention).
 
-Each drafter step attends ``T`` (1 to 16) query rows per request over the ``S`` (some 512 to 575)
+Each LongSpec drafter step attends ``T`` (1 to 16) query rows per request over the ``S`` (some 512 to 575)
 keys of its ring window and draft tree, under a boolean mask. ``F.scaled_dot_product_attention``
 (cudnn on an H200) costs some 17 us a call for 16 rows in LongSpec's graphed step, work this
 small being all setup and latency, plus kernels to expand and convert the mask. Here it is one
@@ -10,9 +11,14 @@ stage settings): 16 rows a program (more programs, each a short serial walk: 64 
 fewer programs, took 51 us a call at 16 rows against 12), 128 keys a tile, three stages. There
 T = 1, 4, 16 took 8.3, 12.4, 12.3 us a call, SDPA 13.0, 23.1, 35.1.
 
-GQA is folded into the rows, as in :mod:`.tree_attention`: a program owns one (request, KV head)
-pair and ``BLOCK_M`` of its ``T * GROUP`` query rows, row ``r`` being token ``r // GROUP`` and query
-head ``kv_head * GROUP + r % GROUP``, so each key/value tile is loaded once for the query heads that
+The verify's tree half (:mod:`.tree_attention`: each draft token over the tree's tokens under
+the ancestor mask) is the same computation on views of its token-major operands, with tiles of its
+own and the base-2 log-sum-exp stored for the merge with the prefix's partial states (``-inf``,
+no contribution, for a row that sees nothing).
+
+GQA is folded into the rows: a program owns one (request, KV head) pair and ``BLOCK_M`` of its
+``T * GROUP`` query rows, row ``r`` being token ``r // GROUP`` and query head
+``kv_head * GROUP + r % GROUP``, so each key/value tile is loaded once for the query heads that
 share it. Keys go by in tiles of ``BLOCK_N`` with an online softmax in base 2. Keys and values may
 be slices of a larger buffer (their strides are passed), so a growing ``S`` needs no copy. Launch
 shapes follow from the tensor shapes alone, with no host synchronisation: CUDA-graph capturable.
@@ -58,12 +64,13 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 goes t
 
 @triton.jit
 def _masked_attention_kernel(
-    Q, K, V, Mask, O,
+    Q, K, V, Mask, O, Lse,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mt, stride_ms,
     stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt, stride_lh,
     qk_scale,  # scale * log2(e)
     num_rows,  # T
     num_keys,  # S
@@ -75,6 +82,7 @@ def _masked_attention_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -121,9 +129,13 @@ def _masked_attention_kernel(
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row with no visible key: acc = 0, o = 0
+    has_key = l_i > 0.0
+    o = acc / tl.where(has_key, l_i, 1.0)[:, None]  # a row with no visible key: acc = 0, o = 0
     tl.store(O + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if STORE_LSE:  # base 2; -inf (no contribution to a merge) for a row with no visible key
+        lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
+        tl.store(Lse + b * stride_lb + t * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -145,24 +157,37 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return out.flatten(-2)
     group = H // Hkv
     block_m = BLOCK_M if not interpreting(_masked_attention_kernel) else min(64, max(16, next_pow2(T * group)))
-    block_d = max(16, next_pow2(D))
-    block_n, stages = key_tiles(q.device, block_d, q.element_size())
+    block_n, stages = key_tiles(q.device, max(16, next_pow2(D)), q.element_size())
+    launch(q, keys, values, mask, out, None, scale, block_m, block_n, 4, stages)
+    return out.flatten(-2)
+
+
+def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
+           lse: torch.Tensor | None, scale: float, block_m: int, block_n: int, num_warps: int, num_stages: int
+           ) -> None:
+    """The kernel on checked operands (``q``/``out`` ``[B, T, H, D]``, ``keys``/``values``
+    ``[B, Hkv, S, D]``, ``mask`` ``[B, T, S]`` bool or uint8, ``lse`` float32 ``[B, T, H]`` or
+    None; any strides with a contiguous last dimension) and the caller's tiles: the tree half of
+    hybrid attention (:mod:`.tree_attention`, its keys the draft tokens themselves) runs it too."""
+    B, T, H, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
     upcast = upcast_dots(_masked_attention_kernel)
-    mask_u8 = mask.view(torch.uint8)
-    grid = (triton.cdiv(T * group, block_m), B * Hkv)
+    mask_u8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    grid = (triton.cdiv(T * (H // Hkv), block_m), B * Hkv)
     _masked_attention_kernel[grid](
-        q, keys, values, mask_u8, out,
+        q, keys, values, mask_u8, out, lse if lse is not None else out,
         q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
         scale * LOG2_E, T, S, Hkv,
-        GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=H // Hkv, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=upcast, PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages,
+        STORE_LSE=lse is not None, num_warps=num_warps, num_stages=num_stages,
     )
-    return out.flatten(-2)
 
 
 def masked_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -1,13 +1,13 @@
-"""Triton kernel: attention of the T draft tokens of each request over those same T tokens.
+"""Attention of the T draft tokens of each request over those same T tokens.
 
 This is the small, masked half of hybrid tree attention: the draft tree's ancestor mask only
 concerns the draft tokens, so the long committed prefix is attended separately without any mask
 (``prefix_attention``) and the two halves are merged by their log-sum-exp (``merge``).
 
-GQA is handled by folding the ``G = Hq // Hkv`` query heads of one KV head into the row
-dimension: a program owns one (request, KV head) pair and ``BLOCK_M`` of its ``T*G`` query rows,
-row ``r`` being draft token ``r // G`` and query head ``kv_head*G + r % G``. Each K/V tile is then
-loaded once for all the query heads that share it.
+It is a case of a few query rows over a small masked key set, so it runs the Triton kernel of
+:mod:`.masked_attention` (GQA folded into rows: each K/V tile loaded once for the query heads that
+share it) on views of its token-major operands, with tiles of its own (a tree is one or two key
+tiles) and the log-sum-exp stored.
 
 Outputs are the normalised attention output and its **base-2** log-sum-exp
 ``log2(sum_j exp(sm_scale * q.k_j))``, FlashInfer's convention, so that the result merges directly
@@ -21,111 +21,9 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import triton
-import triton.language as tl
 
-from .triton_common import LOG2_E, check_head_dim, interpreting, next_pow2, upcast_dots
-
-
-@triton.jit
-def _tree_attention_kernel(
-    Q,
-    K,
-    V,
-    Mask,
-    O,
-    Lse,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    stride_m_req,
-    stride_m_row,
-    stride_m_col,
-    stride_o_tok,
-    stride_o_head,
-    stride_lse_tok,
-    stride_lse_head,
-    qk_scale,  # sm_scale * log2(e)
-    tree_size,
-    num_kv_heads,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    req = pid_bh // num_kv_heads
-    kv_head = pid_bh % num_kv_heads
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = rows // GROUP
-    q_head = kv_head * GROUP + rows % GROUP
-    row_ok = t < tree_size
-    q_tok = (req * tree_size + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-
-    q = tl.load(
-        Q + q_tok[:, None] * stride_q_tok + q_head[:, None] * stride_q_head + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    for start in range(0, tree_size, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < tree_size
-        kv_tok = (req * tree_size + cols).to(tl.int64)
-        k = tl.load(
-            K + kv_tok[:, None] * stride_k_tok + kv_head * stride_k_head + d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = tl.load(
-            Mask + req * stride_m_req + t[:, None] * stride_m_row + cols[None, :] * stride_m_col,
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0,
-        )
-        s = tl.where(visible != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows that have seen no visible key yet keep m = -inf; shift them by 0 instead.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + kv_tok[:, None] * stride_v_tok + kv_head * stride_v_head + d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None])
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-
-    has_key = l_i > 0.0
-    o = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
-    tl.store(
-        O + q_tok[:, None] * stride_o_tok + q_head[:, None] * stride_o_head + d[None, :],
-        o.to(O.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
-    tl.store(Lse + q_tok * stride_lse_tok + q_head * stride_lse_head, lse, mask=row_ok)
+from .masked_attention import _masked_attention_kernel, launch
+from .triton_common import check_head_dim, interpreting, next_pow2
 
 
 def tree_kernel_config(rows_per_kv_head: int, tree_size: int, head_dim: int) -> dict:
@@ -133,7 +31,7 @@ def tree_kernel_config(rows_per_kv_head: int, tree_size: int, head_dim: int) -> 
 
     The interpreter's cost is per executed operation, so there one tile covers everything.
     """
-    if interpreting(_tree_attention_kernel):
+    if interpreting(_masked_attention_kernel):
         block_m = max(16, next_pow2(rows_per_kv_head))
         block_n = max(16, next_pow2(tree_size))
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
@@ -183,41 +81,11 @@ def tree_attention(
         raise ValueError("out must have a contiguous last dimension")
     if num_tokens == 0:
         return out, lse
-    mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     cfg = tree_kernel_config(tree_size * group, tree_size, head_dim)
-    grid = (triton.cdiv(tree_size * group, cfg["BLOCK_M"]), bs * num_kv_heads)
-    _tree_attention_kernel[grid](
-        q,
-        k_tree,
-        v_tree,
-        mask,
-        out,
-        lse,
-        q.stride(0),
-        q.stride(1),
-        k_tree.stride(0),
-        k_tree.stride(1),
-        v_tree.stride(0),
-        v_tree.stride(1),
-        mask.stride(0),
-        mask.stride(1),
-        mask.stride(2),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
-        lse.stride(1),
-        sm_scale * LOG2_E,
-        tree_size,
-        num_kv_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        UPCAST=upcast_dots(_tree_attention_kernel),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    launch(q.unflatten(0, (bs, tree_size)), k_tree.unflatten(0, (bs, tree_size)).transpose(1, 2),
+           v_tree.unflatten(0, (bs, tree_size)).transpose(1, 2), tree_mask, out.unflatten(0, (bs, tree_size)),
+           lse.unflatten(0, (bs, tree_size)), sm_scale, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"],
+           cfg["num_stages"])
     return out, lse
 
 

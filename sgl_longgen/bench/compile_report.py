@@ -31,7 +31,8 @@ _FLOAT_ARGS = {"qk_scale"}
 # scalar arguments that are not multiples of 16 at real launches (tree sizes, split strides)
 _NOT_DIVISIBLE = {"tree_size", "num_kv_heads", "num_states", "num_rows", "num_heads", "stride_pl_head",
                   "stride_pl_tok", "stride_lse_head", "stride_lse_tok", "stride_m_req", "stride_m_row",
-                  "stride_m_col", "stride_ol_tok", "stride_ol_head", "stride_pl_split"}
+                  "stride_m_col", "stride_ol_tok", "stride_ol_head", "stride_pl_split", "num_keys", "stride_mb",
+                  "stride_mt", "stride_ms", "stride_lb", "stride_lt", "stride_lh"}
 
 
 def compile_kernel(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int):
@@ -79,7 +80,7 @@ def resource_usage(kernel) -> Dict[str, object]:
 def configurations(prefix_cfgs: Optional[List[Tuple[int, int, int, int]]]) -> Iterable[Tuple[str, object, Dict, int, int]]:
     from ..kernels.merge import _merge_split_states_kernel, _merge_two_states_kernel
     from ..kernels.prefix_attention import _prefix_split_kernel
-    from ..kernels.tree_attention import _tree_attention_kernel
+    from ..kernels.masked_attention import _masked_attention_kernel
 
     for bm, bn, warps, stages in prefix_cfgs or [(16, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2),
                                                  (64, 128, 4, 3), (128, 128, 8, 2), (256, 32, 8, 2)]:
@@ -87,8 +88,9 @@ def configurations(prefix_cfgs: Optional[List[Tuple[int, int, int, int]]]) -> It
                dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=8, EVEN_D=True, UPCAST=False),
                warps, stages)
     for bm, bn, warps in ((64, 16, 4), (64, 64, 4), (64, 64, 8)):
-        yield (f"tree BM={bm} BN={bn} w={warps}", _tree_attention_kernel,
-               dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=bm, BLOCK_N=bn, UPCAST=False), warps, 1)
+        yield (f"tree BM={bm} BN={bn} w={warps}", _masked_attention_kernel,
+               dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=bm, BLOCK_N=bn, UPCAST=False, PRECISION="tf32",
+                    STORE_LSE=True), warps, 1)
     for bs_, br in ((16, 2), (64, 1)):
         yield (f"merge_split BLOCK_S={bs_} BLOCK_R={br}", _merge_split_states_kernel,
                dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=bs_, BLOCK_R=br, WRITE_LSE=True), 4, 1)
