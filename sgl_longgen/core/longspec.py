@@ -1071,12 +1071,10 @@ def _row_top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, k: i
     if logits.shape[-1] != plan.vocab:
         raise ValueError(f"the beam was planned for {plan.vocab} draft tokens but the head gave {logits.shape[-1]} "
                          "logits: pass draft_head(drafter, ...)")
-    if plan.fused_topk and logits.is_cuda and h.dtype != torch.float64:
+    if _topk_kernels(plan, logits, k):
         from ..kernels.custom_ops import log_softmax_topk  # one node of a torch.compile'd step
-        from ..kernels.longspec_topk import MAX_K
 
-        if k <= MAX_K:
-            return log_softmax_topk(logits, k)
+        return log_softmax_topk(logits, k)
     logp = F.log_softmax(logits, dim=-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
     return logp.topk(k, dim=-1)
 
@@ -1084,14 +1082,24 @@ def _row_top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, k: i
 def _best_of_level(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, width: int, plan: BeamPlan
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`best_of_rows`; on a GPU one Triton launch (``kernels/longspec_topk.py``) where
-    ``torch.topk`` of the level's few hundred candidates is a sort and a gather."""
-    if plan.fused_topk and top.is_cuda and top.dtype == torch.float32:
+    ``torch.topk`` of the level's few hundred candidates is a sort and a gather (the plan's widths
+    leave every level at least ``width`` candidates)."""
+    if _topk_kernels(plan, top, width):
         from ..kernels.custom_ops import best_of_rows as best_of_rows_kernel
-        from ..kernels.longspec_topk import MAX_K
 
-        if width <= min(MAX_K, top.shape[-2] * top.shape[-1]):
-            return best_of_rows_kernel(parent_scores, top, ids, width)
+        return best_of_rows_kernel(parent_scores, top, ids, width)
     return best_of_rows(parent_scores, top, ids, width)
+
+
+def _topk_kernels(plan: BeamPlan, x: torch.Tensor, k: int) -> bool:
+    """Whether a level's selections of ``k`` from ``x`` run the Triton kernels: on a GPU, unless the
+    plan says otherwise, for a float32/bf16 beam (a float64 one is the CPU oracle's precision) and
+    ``k`` within their unrolled selections."""
+    if not (plan.fused_topk and x.is_cuda and x.dtype != torch.float64):
+        return False
+    from ..kernels.longspec_topk import MAX_K
+
+    return k <= MAX_K
 
 
 def _store(pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
