@@ -170,7 +170,8 @@ def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tens
     ``[B, n, k]`` float32 log-probabilities, ``ids`` ``[B, n, k]`` int64 their tokens,
     ``parent_scores`` ``[B, n]`` float32 the rows' cumulative scores. Returns the scores
     ``parent + top`` (the same float32 sums), tokens and rows, ``[B, width]``, best first (equal
-    scores: lower row, then the row's earlier candidate first)."""
+    scores: lower row, then the row's earlier candidate first). The PyTorch twin is
+    :func:`sgl_longgen.core.longspec.best_of_rows`."""
     B, n, k = top.shape
     if not 1 <= width <= min(MAX_K, n * k):
         raise ValueError(f"width must be in [1, {min(MAX_K, n * k)}], got {width}")
@@ -185,12 +186,3 @@ def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tens
     _best_of_rows_kernel[(B,)](parent_scores.contiguous(), top.contiguous(), ids.contiguous(), score, token, row,
                                n, k, width, CAND=next_pow2(n * k), WIDTH=next_pow2(width), num_warps=4)
     return score, token, row
-
-
-def best_of_rows_reference(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, width: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The PyTorch twin: the same sums, a stable descending sort of the flattened candidates."""
-    k = top.shape[-1]
-    cand = (parent_scores.unsqueeze(-1) + top).flatten(-2)
-    flat = torch.sort(cand, dim=-1, descending=True, stable=True).indices[..., :width]
-    return cand.gather(-1, flat), ids.flatten(-2).gather(-1, flat), torch.div(flat, k, rounding_mode="floor")

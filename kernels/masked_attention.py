@@ -59,6 +59,8 @@ def key_tiles(device: torch.device, block_d: int, itemsize: int) -> tuple[int, i
     while stages * 2 * block_n * block_d * itemsize > limit and stages > 1:
         stages -= 1
     return block_n, stages
+
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 goes through the twin
 
 

@@ -450,7 +450,8 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
     The drafter as the worker runs it: projections fused, the batch's rings rows of one pool,
     each step's input packed on the host and copied over once (``beam_graph_ms``: that, and one
     replay of the step: the steady two-token feed and the beam; ``beam_graph_torch_topk_ms``: the
-    same with ``torch.topk`` where the worker runs the Triton top-k)."""
+    same with PyTorch's selections, each row's ``torch.topk`` and the level's stable sort, where the
+    worker runs the Triton kernels)."""
     import torch
 
     from ..core.longspec import (

@@ -723,7 +723,7 @@ def best_children(parent_scores: torch.Tensor, logp: torch.Tensor, width: int
     while the second top-k reads ``n * width`` candidates, not ``n * V``. The scores are the same
     sums (``parent + logp``), bit for bit. Only ties at the cut may be broken otherwise than one
     top-k over the flattened level would (both are best-``width`` sets; which one is drafted never
-    changes what is committed); ``torch.topk`` breaks them the same way on every call.
+    changes what is committed); :func:`best_of_rows` breaks them the same way on every call.
     """
     return best_of_rows(parent_scores, *logp.topk(min(width, logp.shape[-1]), dim=-1), width)
 
@@ -731,11 +731,13 @@ def best_children(parent_scores: torch.Tensor, logp: torch.Tensor, width: int
 def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, width: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`best_children` from each row's top ``k = min(width, V)`` log-probabilities ``top``
-    and their draft ids ``ids`` (``[..., n, k]``, however they were found)."""
+    and their draft ids ``ids`` (``[..., n, k]``, however they were found): best first, equal scores
+    the lower row first, then the row's earlier candidate (a stable sort of a few hundred sums), the
+    order of the GPU's one-launch pick (``kernels/longspec_topk.py``), whose twin this is."""
     k = top.shape[-1]
     cand = (parent_scores.unsqueeze(-1) + top).flatten(-2)
-    score, flat = cand.topk(width, dim=-1)
-    return score, ids.flatten(-2).gather(-1, flat), torch.div(flat, k, rounding_mode="floor")
+    flat = torch.sort(cand, dim=-1, descending=True, stable=True).indices[..., :width]
+    return cand.gather(-1, flat), ids.flatten(-2).gather(-1, flat), torch.div(flat, k, rounding_mode="floor")
 
 
 # positions [...] -> (cos, sin) [..., head_dim]: the target's RoPE at those positions

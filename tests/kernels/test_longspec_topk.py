@@ -73,33 +73,39 @@ def test_a_beam_level_from_the_kernel_is_the_level_from_pytorch():
 
 @pytest.mark.parametrize("B,n,k,width", [(1, 1, 4, 4), (2, 4, 16, 16), (3, 16, 16, 16), (1, 5, 3, 7)])
 def test_the_level_pick_is_its_twin_and_the_beams_pick(B, n, k, width):
-    """The level's best ``width`` of ``n * k`` candidates: the twin's children in the twin's order
-    with the same float32 sums, and the same set (and scores) as the CPU beam's ``torch.topk``."""
+    """The level's best ``width`` of ``n * k`` candidates: the CPU beam's pick (its twin), the same
+    children in the same order with the same float32 sums, and the same set and scores as one
+    ``torch.topk`` over the flattened candidates."""
     from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
-    from sgl_longgen.kernels.longspec_topk import best_of_rows, best_of_rows_reference
+    from sgl_longgen.kernels.longspec_topk import best_of_rows
 
     g = torch.Generator().manual_seed(B * 100 + n * 10 + k)
     top = (-torch.rand(B, n, k, generator=g) * 6).sort(dim=-1, descending=True).values.to(DEVICE)
     ids = torch.randint(0, 50000, (B, n, k), generator=g).to(DEVICE)
     parents = (-torch.rand(B, n, generator=g) * 4).to(DEVICE)
     got = best_of_rows(parents, top, ids, width)
-    want = best_of_rows_reference(parents, top, ids, width)
+    want = torch_best_of_rows(parents, top, ids, width)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    beam = torch_best_of_rows(parents, top, ids, width)
-    assert torch.equal(got[0], beam[0])
+    cand = (parents.unsqueeze(-1) + top).flatten(-2)
+    score, flat = cand.topk(width, dim=-1)
+    assert torch.equal(got[0], score)
     assert sorted(zip(got[2].flatten().tolist(), got[1].flatten().tolist())) == \
-        sorted(zip(beam[2].flatten().tolist(), beam[1].flatten().tolist()))
+        sorted(zip(torch.div(flat, k, rounding_mode="floor").flatten().tolist(),
+                   ids.flatten(-2).gather(-1, flat).flatten().tolist()))
 
 
 def test_the_level_pick_breaks_ties_by_row_then_candidate():
+    """The kernel and its twin (the CPU beam's pick) alike."""
+    from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
     from sgl_longgen.kernels.longspec_topk import best_of_rows
 
     top = torch.full((1, 3, 2), -1.0, device=DEVICE)
     ids = torch.arange(6, device=DEVICE).view(1, 3, 2)
     parents = torch.zeros(1, 3, device=DEVICE)
     parents[0, 2] = 0.5  # row 2 first, then rows 0 and 1 tied: row 0's candidates first
-    score, token, row = best_of_rows(parents, top, ids, 4)
-    assert token[0].tolist() == [4, 5, 0, 1] and row[0].tolist() == [2, 2, 0, 0]
-    assert score[0].tolist() == [-0.5, -0.5, -1.0, -1.0]
+    for pick in (best_of_rows, torch_best_of_rows):
+        score, token, row = pick(parents, top, ids, 4)
+        assert token[0].tolist() == [4, 5, 0, 1] and row[0].tolist() == [2, 2, 0, 0]
+        assert score[0].tolist() == [-0.5, -0.5, -1.0, -1.0]
     with pytest.raises(ValueError, match="width must be in"):
         best_of_rows(parents, top, ids, 7)
