@@ -45,6 +45,18 @@ def _(x, q, scale):
     return x.new_empty((*x.shape[:-1], q.shape[0]))
 
 
+@torch.library.custom_op("sgl_longgen::fp8_gemm_parts", mutates_args=())
+def _fp8_gemm_parts_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _fp8.fp8_gemm(x, q, scale, parts=True)
+
+
+@_fp8_gemm_parts_op.register_fake
+def _(x, q, scale):
+    n, k = q.shape
+    splits = _fp8.partial_splits(x.numel() // max(k, 1), n, k, x.device)
+    return x.new_empty((splits, *x.shape[:-1], n), dtype=torch.float32)
+
+
 @torch.library.custom_op("sgl_longgen::prefix_attention", mutates_args=())
 def _prefix_attention_op(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                          kv_indices: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +104,7 @@ def _(q, keys, values, mask, scale):
 
 # Each takes its op's arguments, positionally: the kernels' defaults (table config, no outputs given).
 fp8_gemm = _when_compiling(_fp8_gemm_op, _fp8.fp8_gemm)
+fp8_gemm_parts = _when_compiling(_fp8_gemm_parts_op, lambda x, q, scale: _fp8.fp8_gemm(x, q, scale, parts=True))
 prefix_attention = _when_compiling(_prefix_attention_op, _prefix.prefix_attention)
 log_softmax_topk = _when_compiling(_log_softmax_topk_op, _topk.log_softmax_topk)
 best_of_rows = _when_compiling(_best_of_rows_op, _topk.best_of_rows)

@@ -91,22 +91,32 @@ _TMA_NARROW = (64, 256, 4, 3)
 _SMS: dict[int, int] = {}  # CUDA device index -> SM count
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
 # What the table gives: bf16 activations' product in fp16, W read through a descriptor where it can be
-_TABLE = {"f16_dot": True, "tma": True}
+_TABLE = {"f16_dot": True, "tma": True, "inline_sums": True}
 
 
 @contextmanager
-def table_choice(f16_dot: bool | None = None, tma: bool | None = None) -> Iterator[None]:
+def table_choice(f16_dot: bool | None = None, tma: bool | None = None, inline_sums: bool | None = None
+                 ) -> Iterator[None]:
     """Within the block, configs taken from the table (:func:`fp8_gemm_config` without the
     argument) run the product in fp16 or bf16 (``f16_dot``) and read ``W`` through a descriptor
-    or by addresses with the address tiles (``tma``); ``None`` keeps the table's own choice (fp16,
-    descriptors). How a benchmark times a whole drafter step, its CUDA graph captured inside the
-    block, either way. Not thread-safe, not for the product."""
+    or by addresses with the address tiles (``tma``), and a compiled step adds a split GEMM's
+    sums in the kernel that reads its product or with the split-sum kernel (``inline_sums``,
+    read while the step is traced: :func:`inline_sums`); ``None`` keeps the table's own choice
+    (fp16, descriptors, sums inline). How a benchmark times a whole drafter step, its CUDA graph
+    captured (and traced) inside the block, either way. Not thread-safe, not for the product."""
     before = dict(_TABLE)
-    _TABLE.update({k: v for k, v in (("f16_dot", f16_dot), ("tma", tma)) if v is not None})
+    _TABLE.update({k: v for k, v in (("f16_dot", f16_dot), ("tma", tma), ("inline_sums", inline_sums))
+                   if v is not None})
     try:
         yield
     finally:
         _TABLE.update(before)
+
+
+def inline_sums() -> bool:
+    """Whether a traced step takes a split GEMM's partial sums (``fp8_gemm(..., parts=True)``) and
+    adds them itself, where inductor folds them into the next kernel (the table's choice)."""
+    return _TABLE["inline_sums"]
 
 
 def tma_possible(q: torch.Tensor) -> bool:
@@ -114,9 +124,14 @@ def tma_possible(q: torch.Tensor) -> bool:
     interpreter) and the descriptor's 16-byte alignment of the base and the row stride."""
     if q.data_ptr() % 16 or q.stride(0) % 16:
         return False
-    if q.device.type != "cuda":
+    return tma_possible_on(q.device)
+
+
+def tma_possible_on(device: torch.device) -> bool:
+    """Whether ``device`` reads tensor descriptors: a Hopper-or-newer GPU, or the interpreter."""
+    if device.type != "cuda":
         return interpreting(_fp8_gemm_kernel)
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
     return _CAPABILITY[index] >= (9, 0)
@@ -177,7 +192,7 @@ def _split(tiles: int, k: int, block_k: int, sms: int) -> int:
 def _fp8_gemm_kernel(X, W, Scale, Out, Part, M, N, K, stride_xm, stride_wn, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     F16_DOT: tl.constexpr, TMA: tl.constexpr):
+                     F16_DOT: tl.constexpr, TMA: tl.constexpr, SPLIT_OUT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -216,7 +231,7 @@ def _fp8_gemm_kernel(X, W, Scale, Out, Part, M, N, K, stride_xm, stride_wn, k_pe
             w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     keep = n_ok[:, None] & m_ok[None, :]
-    if SPLIT == 1:
+    if SPLIT == 1 and not SPLIT_OUT:  # (SPLIT_OUT: the caller takes the splits' sums, even of one split)
         scale = tl.load(Scale + offs_n, mask=n_ok, other=0.0)
         y = acc * scale[:, None]
         tl.store(Out + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], y.to(Out.dtype.element_ty), mask=keep)
@@ -237,11 +252,25 @@ def _split_sum_kernel(Part, Scale, Out, M, N, SPLIT: tl.constexpr, BLOCK: tl.con
     tl.store(Out + m.to(tl.int64) * N + offs, (acc * scale).to(Out.dtype.element_ty), mask=ok)
 
 
+def partial_splits(m: int, n: int, k: int, device: torch.device) -> int:
+    """The K splits of the table's config for ``m`` rows of ``x`` and an ``n x k`` matrix on
+    ``device``, from the shapes alone: how many partial sums ``fp8_gemm(..., parts=True)`` returns
+    (what a trace's shape-only fake of it promises, before any matrix exists)."""
+    tma = None if device.type == "cuda" and tma_possible_on(device) else False
+    return fp8_gemm_config(m, n, k, num_sms(device), tma=tma).split_k
+
+
 def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int | None = None,
-             config: Fp8GemmConfig | None = None) -> torch.Tensor:
+             config: Fp8GemmConfig | None = None, parts: bool = False) -> torch.Tensor:
     """``x @ (q * scale[:, None]).T`` for ``x`` ``[..., K]`` (bf16, fp16 or fp32), ``q`` e4m3
     ``[N, K]`` and ``scale`` float32 ``[N]``: ``[..., N]`` in ``x``'s dtype, summed in float32.
-    ``split_k`` (or a whole ``config``) overrides the heuristic of :func:`fp8_gemm_config`."""
+    ``split_k`` (or a whole ``config``) overrides the heuristic of :func:`fp8_gemm_config`.
+
+    ``parts``: the K splits' float32 sums, unscaled, ``[S, ..., N]`` (``S`` = ``split_k``, else
+    :func:`partial_splits`; a split with nothing of K left to read is zeros), without the kernel
+    that adds them: ``(parts.sum(0) * scale).to(x.dtype)`` is the product. A compiled drafter step
+    takes them so that inductor adds them inside the kernel that reads the product anyway (the
+    residual add and norm after a projection), one launch fewer a split GEMM."""
     if q.dtype != E4M3 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != q.shape[:1]:
         raise ValueError(f"fp8_gemm takes an e4m3 [N, K] matrix and float32 [N] scales, got {q.dtype} "
                          f"{tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
@@ -251,8 +280,11 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} columns, the matrix {k}")
     lead = x.shape[:-1]
-    if k == 0:
-        return torch.zeros(*lead, n, dtype=x.dtype, device=x.device)
+    if parts and split_k is None:
+        split_k = partial_splits(x.numel() // max(k, 1), n, k, x.device)
+    if k == 0 or parts and (x.numel() == 0 or n == 0):
+        shape = (split_k, *lead, n) if parts else (*lead, n)
+        return torch.zeros(shape, dtype=torch.float32 if parts else x.dtype, device=x.device)
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -267,7 +299,11 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int
     cfg = config or fp8_gemm_config(m, n, k, num_sms(x.device), split_k, tma=None if possible else False)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # never a split with nothing of K to read
-    part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if parts:  # the splits' sums are the result, with a zero partial for each split past K
+        part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+        part[split:].zero_()
+    else:
+        part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     upcast = upcast_dots(_fp8_gemm_kernel)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
     tma = cfg.tma and possible
@@ -277,7 +313,9 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int
                            EVEN_K=k == split * k_per_split, UPCAST=upcast,
                            IEEE=x.dtype == torch.float32 and not upcast,
                            F16_DOT=cfg.f16_dot and x.dtype == torch.bfloat16, TMA=tma,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, SPLIT_OUT=parts)
+    if parts:
+        return part.view(cfg.split_k, *lead, n)
     if split > 1:
         block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](part, scale, out, m, n, SPLIT=split, BLOCK=block,

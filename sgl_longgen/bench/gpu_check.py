@@ -33,7 +33,8 @@ the peer), ``--algorithms`` in turn:
    (``--longspec-draft-vocab`` N rows of the head at a random map, default 32768; 0: full only);
    with ``--drafter-weights bf16 fp8`` also with the block and head in fp8 (keys prefixed ``fp8_``;
    ``fp8-bf16``: fp8 with the GEMM's product in bf16; ``fp8-addr``: fp8 with the matrices' tiles read
-   by addresses, not through tensor descriptors; :func:`~sgl_longgen.kernels.fp8_gemm.table_choice`).
+   by addresses, not through tensor descriptors; ``fp8-sums``: fp8 with a split GEMM's sums added by
+   its own kernel in the compiled step too; :func:`~sgl_longgen.kernels.fp8_gemm.table_choice`).
 
     python -m sgl_longgen.bench.gpu_check --phase plain --out results.json
     python -m sgl_longgen.bench.gpu_check --phase spec --out results.json --algorithms NGRAM TOKENSWIFT OWL HOWL
@@ -189,8 +190,10 @@ def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:
 
 # --drafter-weights: setting -> (matrices in fp8, the fp8 GEMM's product in fp16 (its table's own),
 # its matrices read through tensor descriptors where they can be (its table's own))
-DRAFTER_WEIGHTS = {"bf16": (False, True, True), "fp8": (True, True, True), "fp8-bf16": (True, False, True),
-                   "fp8-addr": (True, True, False)}
+# setting -> (fp8 matrices, the GEMM's product in fp16, tiles through descriptors, split sums inline when compiled)
+DRAFTER_WEIGHTS = {"bf16": (False, True, True, True), "fp8": (True, True, True, True),
+                   "fp8-bf16": (True, False, True, True), "fp8-addr": (True, True, False, True),
+                   "fp8-sums": (True, True, True, False)}
 NGRAM_DRAFT_TOKENS = 16  # SGLang NGRAM's verify width unless --ngram-draft-tokens says otherwise
 OURS = frozenset(SPECULATIVE_ALGORITHMS.values())  # the algorithms our plugin registers
 
@@ -200,8 +203,8 @@ def gemm_table(setting: str):
     """The fp8 GEMM's table as a ``--drafter-weights`` setting has it, while graphs are captured."""
     from ..kernels.fp8_gemm import table_choice
 
-    _, f16, tma = DRAFTER_WEIGHTS[setting]
-    with table_choice(f16_dot=f16, tma=tma):
+    _, f16, tma, inline = DRAFTER_WEIGHTS[setting]
+    with table_choice(f16_dot=f16, tma=tma, inline_sums=inline):
         yield
 
 
@@ -857,7 +860,8 @@ def parser() -> argparse.ArgumentParser:
                    help="--phase owl / longspec: time the drafter with these weight settings, side by side (fp8: "
                         "its matrices as e4m3 with row scales, the drafters' weights = \"fp8\"; fp8-bf16: the same, "
                         "the fp8 GEMM's product in bf16, not the table's fp16; fp8-addr: the matrices' tiles read "
-                        "by addresses, not through the table's tensor descriptors)")
+                        "by addresses, not through the table's tensor descriptors; fp8-sums: a split GEMM's sums "
+                        "added by a kernel of its own in the compiled step, not inside the next kernel)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="--phase owl / longspec: the graphed drafters' per-kernel totals into DIR")
     return p

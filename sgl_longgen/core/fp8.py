@@ -94,11 +94,22 @@ def uses_fp8_gemm(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for ``W = q * scale`` (per row): the Triton GEMM where it runs, else the twin."""
-    if uses_fp8_gemm(x, q):
-        from ..kernels.custom_ops import fp8_gemm  # one node of a torch.compile'd drafter step
+    """``x @ W.T`` for ``W = q * scale`` (per row): the Triton GEMM where it runs, else the twin.
 
-        return fp8_gemm(x, q, scale)
+    While ``torch.compile`` traces a step, a GEMM whose K is split returns its splits' partial sums
+    and the sum, scale and cast are traced here as plain ops: inductor unrolls a sum of a few
+    splits into the kernel that reads the product (a projection's residual add and norm), where
+    eagerly a kernel of the GEMM's own adds them, one launch of some 2 us per split GEMM (25 in a
+    LongSpec step). The same float32 sums in the same order, scaled and rounded once."""
+    if uses_fp8_gemm(x, q):
+        from ..kernels import custom_ops  # one node of a torch.compile'd drafter step
+        from ..kernels.fp8_gemm import inline_sums, partial_splits
+
+        n, k = q.shape
+        if torch.compiler.is_compiling() and inline_sums() and partial_splits(x.numel() // max(k, 1), n, k, x.device) > 1:
+            parts = custom_ops.fp8_gemm_parts(x, q, scale)
+            return (parts.sum(0) * scale).to(x.dtype)
+        return custom_ops.fp8_gemm(x, q, scale)
     return reference_linear(x, q, scale)
 
 

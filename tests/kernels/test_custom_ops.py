@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from sgl_longgen.kernels import custom_ops
-from sgl_longgen.kernels.fp8_gemm import fp8_gemm
+from sgl_longgen.kernels.fp8_gemm import fp8_gemm, partial_splits
 from sgl_longgen.kernels.longspec_topk import log_softmax_topk
 from sgl_longgen.kernels.masked_attention import masked_attention
 from sgl_longgen.kernels.prefix_attention import prefix_attention
@@ -35,6 +35,25 @@ def test_the_fp8_gemm_is_one_node_of_a_trace():
     assert torch.equal(step(x), want)
     out = traced(step)(x)
     assert out.shape == (2, 3, 48) and torch.equal(out, want)
+
+
+def test_the_fp8_gemms_partial_sums_are_one_node_of_a_trace():
+    """The split GEMM's partial sums: the fake promises the table's split (from the shapes alone),
+    the run gives it, and the sum traced after them is the product."""
+    g = torch.Generator().manual_seed(4)
+    q, scale = quantize(torch.randn(64, 4096, generator=g))
+    x = torch.randn(2, 8, 4096, generator=g)
+    q, scale, x = q.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
+
+    def step(x):
+        parts = custom_ops.fp8_gemm_parts(x * 2, q, scale)
+        return parts, (parts.sum(0) * scale).to(x.dtype)
+
+    splits = partial_splits(16, 64, 4096, x.device)
+    assert splits > 1  # one row block, a long K: the table splits it
+    parts, out = traced(step)(x)
+    assert parts.shape == (splits, 2, 8, 64) and torch.equal(parts, fp8_gemm(x * 2, q, scale, parts=True))
+    torch.testing.assert_close(out, fp8_gemm(x * 2, q, scale), rtol=1e-5, atol=1e-5)
 
 
 def test_prefix_attention_is_one_node_of_a_trace():

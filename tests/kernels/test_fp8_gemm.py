@@ -20,6 +20,9 @@ from sgl_longgen.kernels.fp8_gemm import (
     Fp8GemmConfig,
     fp8_gemm,
     fp8_gemm_config,
+    inline_sums,
+    num_sms,
+    partial_splits,
     table_choice,
     tma_possible,
 )
@@ -118,6 +121,36 @@ def test_a_split_sums_the_same_bits_on_every_call():
     torch.testing.assert_close(first, fp8_gemm(x, q, scale, split_k=1), rtol=1e-5, atol=1e-5 * first.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_splits_partial_sums_added_in_order_are_the_product(dtype):
+    """``parts=True``: the K splits' unscaled float32 sums, ``[S, ..., N]``; added in split order,
+    scaled and cast, they are the product's bits (what a compiled step's next kernel computes;
+    on a GPU, where both casts round to nearest, at every dtype)."""
+    x, q, scale = operands(2 * 5, 96, 1024, dtype=dtype, seed=4)
+    x = x.view(2, 5, 1024)
+    parts = fp8_gemm(x, q, scale, split_k=4, parts=True)
+    assert parts.shape == (4, 2, 5, 96) and parts.dtype == torch.float32
+    summed = ((parts[0] + parts[1] + parts[2] + parts[3]) * scale).to(dtype)
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(summed, fp8_gemm(x, q, scale, split_k=4))
+    else:  # the interpreter's cast to bf16 truncates where torch's rounds: a unit in the last place apart
+        torch.testing.assert_close(summed, fp8_gemm(x, q, scale, split_k=4), rtol=RTOL[dtype], atol=0)
+
+
+def test_the_partial_sums_follow_the_table_and_a_split_past_k_is_zeros():
+    x, q, scale = operands(16, 4096, 1024, seed=5)
+    splits = partial_splits(16, 4096, 1024, x.device)
+    parts = fp8_gemm(x, q, scale, parts=True)
+    assert parts.shape == (splits, 16, 4096) == (fp8_gemm_config(16, 4096, 1024, num_sms(x.device)).split_k, 16, 4096)
+    x, q, scale = operands(3, 40, 512, seed=6)  # 3 splits of 512 in 256-wide steps: two read K, one is empty
+    parts = fp8_gemm(x, q, scale, split_k=3, parts=True)
+    assert parts.shape == (3, 3, 40) and torch.equal(parts[2], torch.zeros_like(parts[2]))
+    assert torch.equal(((parts[0] + parts[1]) * scale).to(x.dtype), fp8_gemm(x, q, scale, split_k=3))
+    one = fp8_gemm(x, q, scale, split_k=1, parts=True)  # one split: its unscaled sums all the same
+    assert one.shape == (1, 3, 40)
+    assert torch.equal((one[0] * scale).to(x.dtype), fp8_gemm(x, q, scale, split_k=1))
+
+
 def test_empty_operands():
     x, q, scale = operands(0, 32, 64)
     assert fp8_gemm(x, q, scale).shape == (0, 32)
@@ -167,9 +200,12 @@ def test_table_choice_switches_the_tables_product_and_reads_inside_its_block_onl
         assert cfg.f16_dot and not cfg.tma
         assert fp8_gemm_config(16, 4096, 4096, 132, tma=True).tma
     assert fp8_gemm_config(16, 4096, 4096, 132) == table
-    with pytest.raises(RuntimeError), table_choice(f16_dot=False, tma=False):
+    assert inline_sums()
+    with table_choice(inline_sums=False):
+        assert not inline_sums() and fp8_gemm_config(16, 4096, 4096, 132) == table
+    with pytest.raises(RuntimeError), table_choice(f16_dot=False, tma=False, inline_sums=False):
         raise RuntimeError
-    assert fp8_gemm_config(16, 4096, 4096, 132) == table
+    assert fp8_gemm_config(16, 4096, 4096, 132) == table and inline_sums()
 
 
 @pytest.mark.parametrize("m,n,k,split_k", [(5, 128, 512, 1), (16, 80, 400, 3), (33, 48, 160, 2)])
@@ -263,3 +299,38 @@ def test_the_kernel_replays_from_a_cuda_graph(n, k):
         graph.replay()
         torch.testing.assert_close(out, fp8_gemm(x, q, scale), rtol=0, atol=0)
         assert_twin(out, x, q, scale)
+
+
+@gpu
+def test_a_compiled_split_product_adds_its_sums_inside_the_next_kernel():
+    """Traced, a split GEMM hands its partial sums to inductor, which adds them in the kernel after
+    it (here the residual add and norm): no split-sum launch, the eager block's values; with the
+    table's ``inline_sums`` off the split-sum kernel is back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = Fp8Linear.quantize(torch.randn(4096, 4096, generator=torch.Generator().manual_seed(9))).to("cuda")
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    assert partial_splits(16, 4096, 4096, x.device) > 1  # 64 row blocks: K split on any large GPU
+
+    def block(x):
+        return torch.nn.functional.rms_norm(x + layer(x), (4096,), weight, 1e-5)
+
+    def kernels(fn):
+        fn(x)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = fn(x)
+            torch.cuda.synchronize()
+        return out, [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+    eager = block(x)
+    for inline in (True, False):
+        torch._dynamo.reset()
+        with table_choice(inline_sums=inline):
+            out, names = kernels(torch.compile(block, dynamic=False, fullgraph=True))
+        assert any("_fp8_gemm_kernel" in n for n in names)
+        assert any("_split_sum_kernel" in n for n in names) != inline, names
+        # inductor may keep the product at float32 through the residual add, where eager rounds it to
+        # bf16 first: a bf16 step or two apart (a split left out would be a quarter of the product off)
+        torch.testing.assert_close(out, eager, rtol=2**-6, atol=2**-5)
+    torch._dynamo.reset()
