@@ -102,6 +102,18 @@ def _(q, keys, values, mask, scale):
     return q.new_empty((*q.shape[:2], q.shape[2] * q.shape[3]))
 
 
+@torch.library.custom_op("sgl_longgen::masked_attention_into", mutates_args=("keys", "values"))
+def _masked_attention_into_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_k: torch.Tensor,
+                              new_v: torch.Tensor, at: int, ring_mask: torch.Tensor, tree_mask: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    return _masked.masked_attention_into(q, keys, values, new_k, new_v, at, ring_mask, tree_mask, scale)
+
+
+@_masked_attention_into_op.register_fake
+def _(q, keys, values, new_k, new_v, at, ring_mask, tree_mask, scale):
+    return q.new_empty((*q.shape[:2], q.shape[2] * q.shape[3]))
+
+
 # Each takes its op's arguments, positionally: the kernels' defaults (table config, no outputs given).
 fp8_gemm = _when_compiling(_fp8_gemm_op, _fp8.fp8_gemm)
 fp8_gemm_parts = _when_compiling(_fp8_gemm_parts_op, lambda x, q, scale: _fp8.fp8_gemm(x, q, scale, parts=True))
@@ -109,3 +121,5 @@ prefix_attention = _when_compiling(_prefix_attention_op, _prefix.prefix_attentio
 log_softmax_topk = _when_compiling(_log_softmax_topk_op, _topk.log_softmax_topk)
 best_of_rows = _when_compiling(_best_of_rows_op, _topk.best_of_rows)
 masked_attention = _when_compiling(_masked_attention_op, _masked.masked_attention)
+# writes its keys/values arguments in place: inductor then passes the step's buffers as they are
+masked_attention_into = _when_compiling(_masked_attention_into_op, _masked.masked_attention_into)

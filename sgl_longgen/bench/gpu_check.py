@@ -502,8 +502,10 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
             # the worker's step, and the same with torch's top-k (what the Triton top-k saves)
             plans = {"graph": plan, "graph_torch_topk": BeamPlan.for_drafter(
                 drafter, DEFAULT_WIDTHS, 63, DEFAULT_FEED, k_buffer.dtype, dev, fused_topk=False)}
-            if compiled:
+            if compiled:  # and the same with a level's rows written into the window buffers by torch ops
                 plans["compiled_graph"] = plan
+                plans["compiled_graph_split_window"] = BeamPlan.for_drafter(
+                    drafter, DEFAULT_WIDTHS, 63, DEFAULT_FEED, k_buffer.dtype, dev, fused_window=False)
             for name, step_plan in plans.items():
                 def body(packed, indptr, step_plan=step_plan):
                     attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
@@ -514,9 +516,9 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
                 # the compiled function run eagerly, as the worker checks its graph. Dynamo's caches
                 # are cleared first: every variant's step is a trace of its own, and the variants of
                 # one process would pass its recompile limit (8), past which it runs them eagerly
-                if name == "compiled_graph":
+                if name.startswith("compiled"):
                     torch._dynamo.reset()
-                graphed = GraphedBeam(torch.compile(body, dynamic=False) if name == "compiled_graph" else body)
+                graphed = GraphedBeam(torch.compile(body, dynamic=False) if name.startswith("compiled") else body)
 
                 def graph_step(graphed=graphed):
                     _, packed = plan.pack(*steady, rings, pool.scratch)
@@ -789,7 +791,9 @@ def phase_longspec(args, report: dict) -> None:
         row = r[str(L)]
         for weights in args.drafter_weights:
             prefix = "" if weights == "bf16" else f"{weights}_"
-            for beam, label in (("graph", weights), ("compiled_graph", f"{weights}+c"))[: 1 + args.longspec_compile]:
+            beams = (("graph", weights), ("compiled_graph", f"{weights}+c"),
+                     ("compiled_graph_split_window", f"{weights}+c-w"))[: 1 + 2 * args.longspec_compile]
+            for beam, label in beams:
                 cells = []
                 for h in heads:
                     ms, x = row.get(f"{prefix}{h}beam_{beam}_ms"), row.get(f"{prefix}{h}beam_{beam}_vs_ar")
@@ -852,7 +856,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--owl-draft-vocab", type=int, default=32768, help="OWL drafter head rows (random token map; 0: full vocabulary)")
     p.add_argument("--longspec-batch", type=int, default=1, help="requests of the LongSpec beam timing (--phase longspec)")
     p.add_argument("--longspec-compile", action="store_true",
-                   help="--phase longspec: also time the worker's step torch.compile'd before its capture")
+                   help="--phase longspec: also time the worker's step torch.compile'd before its capture, also "
+                        "with a level's rows written into the window buffers by torch ops (+c-w)")
     p.add_argument("--longspec-draft-vocab", type=int, default=32768, metavar="N",
                    help="the LongSpec beam timing also with a reduced draft vocabulary: N rows of the head at a random "
                         "token map (0: the full head only); the spec phase's LONGSPEC drafter has it (0: the full head)")

@@ -852,7 +852,7 @@ class BeamPlan:
     """
 
     def __init__(self, widths: Sequence[int], tree_size: int, vocab: int, window: int, feed: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device, fused_topk: bool = True):
+                 head_dim: int, dtype: torch.dtype, device, fused_topk: bool = True, fused_window: bool = True):
         if not widths or min(widths) < 1:
             raise ValueError(f"beam widths must be positive, got {list(widths)}")
         w = [min(widths[0], vocab)]
@@ -861,6 +861,7 @@ class BeamPlan:
         self.widths, self.depth = tuple(w), len(w)
         self.tree_size, self.vocab, self.window = tree_size, vocab, window
         self.fused_topk = fused_topk  # on a GPU, each row's top-k through the Triton kernel
+        self.fused_window = fused_window  # on a GPU, a level's rows join the window buffers inside its attention
         self.feed = max(1, min(feed, window))  # two positions of one ring slot never share a feed
         self.offsets = tuple(itertools.accumulate(w, initial=0))
         self.forwarded = P = self.offsets[-1] - w[-1]
@@ -887,9 +888,9 @@ class BeamPlan:
 
     @classmethod
     def for_drafter(cls, drafter: LongSpecDrafter, widths: Sequence[int], tree_size: int, feed: int,
-                    dtype: torch.dtype, device, fused_topk: bool = True) -> BeamPlan:
+                    dtype: torch.dtype, device, fused_topk: bool = True, fused_window: bool = True) -> BeamPlan:
         return cls(widths, tree_size, drafter.draft_vocab_size, drafter.window, feed, drafter.num_kv_heads,
-                   drafter.head_dim, dtype, device, fused_topk)
+                   drafter.head_dim, dtype, device, fused_topk, fused_window)
 
     @property
     def columns(self) -> int:
@@ -1045,6 +1046,28 @@ def _self_attend(drafter: LongSpecDrafter, q: torch.Tensor, keys: torch.Tensor, 
     from ..kernels.masked_attention import masked_attention_reference
 
     return masked_attention_reference(q, keys, values, mask, drafter.self_attn.scale)
+
+
+def _self_attend_into(drafter: LongSpecDrafter, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      new_k: torch.Tensor, new_v: torch.Tensor, at: int, ring_mask: torch.Tensor,
+                      tree_mask: torch.Tensor, plan: BeamPlan) -> torch.Tensor:
+    """A level's rows ``q`` ``[B, n, H, D]`` join the buffers (their K/V ``new_k``/``new_v``
+    ``[B, n, Hkv, D]`` written at columns ``at .. at + n``) and attend over columns ``0 .. at + n``
+    under the ring's ``[B, W]`` and the tree's ``[B, n, at + n - W]`` masks; ``[B, n, H * D]``. On a
+    GPU (unless the plan says otherwise, or the level is wider than the kernel's one tile of new
+    rows) one Triton launch that writes the buffers in place (``kernels/masked_attention.py``);
+    elsewhere the writes, the masks concatenated and :func:`_self_attend`."""
+    from ..kernels.masked_attention import MAX_NEW_ROWS, join_rows
+
+    if plan.fused_window and q.is_cuda and q.dtype != torch.float64 and q.shape[1] <= MAX_NEW_ROWS:
+        from ..kernels.custom_ops import masked_attention_into  # one node of a torch.compile'd step
+
+        return masked_attention_into(q, keys, values, new_k, new_v, at, ring_mask, tree_mask,
+                                     drafter.self_attn.scale)
+
+    mask = join_rows(keys, values, new_k, new_v, at, ring_mask, tree_mask)
+    n = q.shape[1]
+    return _self_attend(drafter, q, keys[:, :, : at + n], values[:, :, : at + n], mask)
 
 
 def _block_tail(drafter: LongSpecDrafter, x: torch.Tensor, a: torch.Tensor, cos: torch.Tensor,
@@ -1205,10 +1228,8 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
         at = slice(Fw + level - 2, Fw + level - 1)  # its position, L + level - 1
         x = embed(levels[-1][1]).to(dt)
         qk, v = _rotated_qkv(drafter, x, cos[:, at], sin[:, at])
-        keys[:, :, W + lo : W + lo + n] = qk[:, :, H:].transpose(1, 2)
-        values[:, :, W + lo : W + lo + n] = v.transpose(1, 2)
-        mask = torch.cat([visible[:, level - 1 : level].expand(B, n, W), plan.tree_mask(ancestors, level)], dim=2)
-        a = _self_attend(drafter, qk[:, :, :H], keys[:, :, : W + lo + n], values[:, :, : W + lo + n], mask)
+        a = _self_attend_into(drafter, qk[:, :, :H], keys, values, qk[:, :, H:], v, W + lo, visible[:, level - 1],
+                              plan.tree_mask(ancestors, level), plan)
         h = _block_tail(drafter, x, a, cos[:, at], sin[:, at], attend)
         width = plan.widths[level - 1]
         score, pick, row = _best_of_level(levels[-1][0], *_row_top(head, h, min(width, plan.vocab), plan), width, plan)

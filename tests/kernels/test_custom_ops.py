@@ -8,7 +8,7 @@ import torch
 from sgl_longgen.kernels import custom_ops
 from sgl_longgen.kernels.fp8_gemm import fp8_gemm, partial_splits
 from sgl_longgen.kernels.longspec_topk import log_softmax_topk
-from sgl_longgen.kernels.masked_attention import masked_attention
+from sgl_longgen.kernels.masked_attention import masked_attention, masked_attention_into
 from sgl_longgen.kernels.prefix_attention import prefix_attention
 
 from sgl_longgen.core.fp8 import quantize
@@ -115,3 +115,28 @@ def test_the_level_pick_is_one_node_of_a_trace():
     want = best_of_rows(parents * 2, top, ids, 5)
     score, token, row = traced(pick)(parents)
     assert torch.equal(score, want[0] + 1) and torch.equal(token, want[1]) and torch.equal(row, want[2])
+
+
+def test_the_level_attention_writing_its_buffers_is_one_node_of_a_trace():
+    """Two levels in a row, each writing its rows into the buffers the next one reads: the trace
+    (its op declared as writing them) gives the direct calls' outputs and leaves the same buffers."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(1, 4, 8, 16, generator=g).to(DEVICE)  # 4 query heads, then 2 KV heads' keys and values
+    buffers = torch.randn(2, 1, 2, 40, 16, generator=g).to(DEVICE)
+    ring = (torch.rand(1, 24, generator=g) < 0.6).to(DEVICE)
+    tree1 = torch.ones(1, 2, 2, dtype=torch.bool, device=DEVICE)
+    tree2 = (torch.rand(1, 2, 4, generator=g) < 0.5).to(DEVICE)
+    tree2[..., 2:] = True
+
+    def levels(qkv, keys, values):
+        q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]
+        a = custom_ops.masked_attention_into(q[:, :2], keys, values, k[:, :2], v[:, :2], 24, ring, tree1, 0.25)
+        b = custom_ops.masked_attention_into(q[:, 2:] * 2, keys, values, k[:, 2:], v[:, 2:], 26, ring, tree2, 0.25)
+        return a, b
+
+    keys, values = buffers.clone()
+    want = levels(qkv, keys, values)
+    keys2, values2 = buffers.clone()
+    got = traced(levels)(qkv, keys2, values2)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert torch.equal(keys2, keys) and torch.equal(values2, values) and not torch.equal(keys, buffers[0])

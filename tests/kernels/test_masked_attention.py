@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_longgen.kernels.masked_attention import masked_attention, masked_attention_reference
+from sgl_longgen.kernels.masked_attention import (
+    MAX_NEW_ROWS,
+    masked_attention,
+    masked_attention_into,
+    masked_attention_into_reference,
+    masked_attention_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -88,6 +94,86 @@ def test_one_wrong_mask_entry_is_caught():
     assert (out - masked_attention_reference(q, keys, values, wrong, scale)).abs().max() > 100 * TOL[torch.float32]
 
 
+def level_inputs(B, Hkv, group, W, lo, T, D, dtype, seed):
+    """A LongSpec level's operands: buffers of W ring columns, ``lo`` earlier tree columns and room
+    for more; the level's T rows (queries a slice of a fused projection, keys/values token-major
+    slices); a ring mask per request and a tree mask with each row's own column visible."""
+    g = torch.Generator().manual_seed(seed)
+    H = Hkv * group
+    qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=g)
+    keys, values = torch.randn(2, B, Hkv, W + lo + T + 9, D, generator=g)
+    ring = torch.rand(B, W, generator=g) < 0.7
+    tree = torch.rand(B, T, lo + T, generator=g) < 0.4
+    tree[:, torch.arange(T), lo + torch.arange(T)] = True
+    qkv, keys, values = (x.to(dtype).to(DEVICE) for x in (qkv, keys, values))
+    return (qkv[:, :, :H], keys, values, qkv[:, :, H : H + Hkv], qkv[:, :, H + Hkv :], W + lo, ring.to(DEVICE),
+            tree.to(DEVICE), D ** -0.5)
+
+
+@pytest.mark.parametrize("B,Hkv,group,W,lo,T,D,dtype", [
+    (1, 1, 4, 64, 0, 4, 64, torch.float32),  # the first level after the root: no earlier tree rows
+    (2, 2, 2, 40, 4, 16, 32, torch.float32),  # a ring that is no whole number of key tiles
+    (1, 2, 4, 128, 20, 16, 128, torch.bfloat16),
+    (2, 8, 4, 512, 36, 16, 128, torch.bfloat16),  # production: a 512 ring, the fourth level
+])
+def test_writing_into_the_buffer_and_attending_is_its_twin(B, Hkv, group, W, lo, T, D, dtype):
+    """The kernel's attention is the twin's (rows written, mask concatenated, SDPA); after it the
+    buffers hold the new rows at ``at .. at + T`` and nothing else changed."""
+    q, keys, values, new_k, new_v, at, ring, tree, scale = level_inputs(B, Hkv, group, W, lo, T, D, dtype, W + lo)
+    k2, v2 = keys.clone(), values.clone()
+    out = masked_attention_into(q, keys, values, new_k, new_v, at, ring, tree, scale)
+    want = masked_attention_into_reference(q, k2, v2, new_k, new_v, at, ring, tree, scale)
+    assert out.shape == (B, T, q.shape[2] * D) and close(out, want, dtype), (out.float() - want.float()).abs().max()
+    assert torch.equal(keys, k2) and torch.equal(values, v2)
+    assert torch.equal(keys[:, :, at : at + T], new_k.transpose(1, 2))
+
+
+def test_the_next_level_reads_the_rows_the_last_one_wrote():
+    """Two levels in a row: the second's keys before ``at`` include the first's rows, written by the
+    first call (the twin does the same through its own writes)."""
+    q, keys, values, new_k, new_v, at, ring, tree, scale = level_inputs(1, 2, 2, 32, 0, 4, 32, torch.float32, 1)
+    q2, _, _, new_k2, new_v2, _, _, tree2, _ = level_inputs(1, 2, 2, 32, 4, 8, 32, torch.float32, 2)
+    k2, v2 = keys.clone(), values.clone()
+    masked_attention_into(q, keys, values, new_k, new_v, at, ring, tree, scale)
+    masked_attention_into_reference(q, k2, v2, new_k, new_v, at, ring, tree, scale)
+    out = masked_attention_into(q2, keys, values, new_k2, new_v2, at + 4, ring, tree2, scale)
+    want = masked_attention_into_reference(q2, k2, v2, new_k2, new_v2, at + 4, ring, tree2, scale)
+    assert close(out, want, torch.float32) and torch.equal(keys, k2)
+
+
+def test_a_flipped_ring_or_tree_entry_is_caught():
+    """The mask is read where each walk belongs: one hidden key made visible, in the ring, among the
+    tree's earlier rows or among the level's new rows, moves the output well past the tolerance."""
+    lo, T = 4, 4
+    q, keys, values, new_k, new_v, at, ring, tree, scale = level_inputs(1, 1, 4, 48, lo, T, 32, torch.float32, 3)
+    out = masked_attention_into(q, keys.clone(), values.clone(), new_k, new_v, at, ring, tree, scale)
+    for piece, columns in (("ring", None), ("earlier rows", range(lo)), ("new rows", range(lo, lo + T))):
+        r, t = ring.clone(), tree.clone()
+        if columns is None:
+            r[0, (~r[0]).nonzero()[0, 0]] = True
+        else:
+            row, col = next((i, c) for i in range(T) for c in columns if not t[0, i, c])
+            t[0, row, col] = True
+        wrong = masked_attention_into_reference(q, keys.clone(), values.clone(), new_k, new_v, at, r, t, scale)
+        assert (out - wrong).abs().max() > 100 * TOL[torch.float32], piece
+
+
+def test_bad_level_inputs_are_refused():
+    q, keys, values, new_k, new_v, at, ring, tree, scale = level_inputs(1, 2, 2, 16, 4, 4, 16, torch.float32, 4)
+    bad = [
+        ((q, keys, values, new_k[:, :2], new_v, at, ring, tree), "new_k/new_v must be"),
+        ((q, keys, values, new_k, new_v, at, ring[:, :8], tree), "ring_mask"),
+        ((q, keys, values, new_k, new_v, at + 1, ring, tree), "ring_mask"),
+        ((q, keys[:, :, :22], values[:, :, :22], new_k, new_v, at, ring, tree), "fewer than at"),
+        ((q, keys, values, new_k, new_v, at, ring.float(), tree), "masks bool"),
+    ]
+    wide = level_inputs(1, 1, 1, 8, 0, MAX_NEW_ROWS + 1, 16, torch.float32, 5)
+    bad.append((wide[:-1], "new rows a call"))
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            masked_attention_into(*args, scale)
+
+
 def test_float64_goes_through_the_twin():
     q, keys, values, mask, scale = make_inputs(1, 4, 4, 2, 9, 16, torch.float64, seed=4)
     assert torch.equal(masked_attention(q, keys, values, mask, scale),
@@ -138,3 +224,28 @@ def test_key_tiles_fit_the_gpus_shared_memory(monkeypatch):
     monkeypatch.setitem(module._SMEM, 0, 101376)
     block_n, stages = module.key_tiles(gpu, 128, 2)
     assert stages * 2 * block_n * 128 * 2 <= 101376 * 0.85 and block_n >= 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's Triton code needs a GPU")
+def test_compiled_levels_write_the_buffers_they_read():
+    """Two levels compiled by inductor, the buffers a concatenation inside the step (as LongSpec's
+    are): the op declared as writing them, the compiled step gives the eager step's outputs."""
+    from sgl_longgen.kernels import custom_ops
+
+    q1, keys, values, k1, v1, at, ring, tree1, scale = level_inputs(1, 8, 4, 512, 0, 4, 128, torch.bfloat16, 8)
+    q2, _, _, k2, v2, _, _, tree2, _ = level_inputs(1, 8, 4, 512, 4, 16, 128, torch.bfloat16, 9)
+    ring_kv = keys[:, :, :512].clone(), values[:, :, :512].clone()
+    pad = torch.zeros(1, 8, 20, 128, device=DEVICE, dtype=torch.bfloat16)
+
+    def step(ring_k, ring_v, q1, q2):
+        keys, values = torch.cat([ring_k, pad], dim=2), torch.cat([ring_v, pad], dim=2)
+        a = custom_ops.masked_attention_into(q1 * 1.5, keys, values, k1, v1, 512, ring, tree1, scale)
+        b = custom_ops.masked_attention_into(q2, keys, values, k2 * 0.5, v2, 516, ring, tree2, scale)
+        return a, b, keys[:, :, 512:].clone()
+
+    want = step(*ring_kv, q1, q2)
+    torch._dynamo.reset()
+    got = torch.compile(step, dynamic=False, fullgraph=True)(*ring_kv, q1, q2)
+    for x, y in zip(got, want):
+        assert close(x, y, torch.bfloat16)
+    torch._dynamo.reset()
