@@ -103,9 +103,8 @@ def _masked_attention_kernel(
     stride_m2b, stride_m2t, stride_m2s,
     qk_scale,  # scale * log2(e)
     num_rows,  # T
-    num_keys,  # S (SEGMENTS: at + T)
+    num_keys,  # S (SEGMENTS: the buffer's columns before the new rows, the first new row's column)
     num_kv_heads,
-    at,  # SEGMENTS: the buffer's column of the first new row
     mask_split,  # SEGMENTS: columns below it read Mask, the rest Mask2 (at column - mask_split)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -153,15 +152,13 @@ def _masked_attention_kernel(
         first = mask_split  # then the tree's columns already in the buffer, under the tree's mask
         rows = Mask2 + b * stride_m2b + t[:, None] * stride_m2t
         col_stride = stride_m2s
-        end = at
     else:
         first = 0
         rows = Mask + b * stride_mb + t[:, None] * stride_mt
         col_stride = stride_ms
-        end = num_keys
-    for start in range(first, end, BLOCK_N):
+    for start in range(first, num_keys, BLOCK_N):
         s_idx = start + tl.arange(0, BLOCK_N)
-        s_ok = s_idx < end
+        s_ok = s_idx < num_keys
         kv_ok = s_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + s_idx[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(v_base + s_idx[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
@@ -175,12 +172,12 @@ def _masked_attention_kernel(
         nv_base = NewV + b * stride_nvb + kv_head * stride_nvh
         k = tl.load(nk_base + j[:, None] * stride_nkt + d[None, :], mask=jd_ok, other=0.0)
         v = tl.load(nv_base + j[:, None] * stride_nvt + d[None, :], mask=jd_ok, other=0.0)
-        visible = tl.load(rows + (at - first + j)[None, :] * col_stride, mask=row_ok[:, None] & j_ok[None, :],
-                          other=0)
+        visible = tl.load(rows + (num_keys - first + j)[None, :] * col_stride,
+                          mask=row_ok[:, None] & j_ok[None, :], other=0)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
         if pid_m == 0:  # one program a KV head writes; none reads these columns from the buffer
-            tl.store(k_base + (at + j)[:, None] * stride_ks + d[None, :], k, mask=jd_ok)
-            tl.store(v_base + (at + j)[:, None] * stride_vs + d[None, :], v, mask=jd_ok)
+            tl.store(k_base + (num_keys + j)[:, None] * stride_ks + d[None, :], k, mask=jd_ok)
+            tl.store(v_base + (num_keys + j)[:, None] * stride_vs + d[None, :], v, mask=jd_ok)
 
     has_key = l_i > 0.0
     o = acc / tl.where(has_key, l_i, 1.0)[:, None]  # a row with no visible key: acc = 0, o = 0
@@ -189,6 +186,16 @@ def _masked_attention_kernel(
     if STORE_LSE:  # base 2; -inf (no contribution to a merge) for a row with no visible key
         lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
         tl.store(Lse + b * stride_lb + t * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+def _tiles(q: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_stages)`` for ``q`` ``[B, T, H, D]`` over ``keys`` ``[B, Hkv, S, D]``:
+    the sweep's rows a program (in the interpreter, which pays per operation, all of a KV head's
+    rows up to 64) and :func:`key_tiles`."""
+    _, T, H, D = q.shape
+    group = H // keys.shape[1]
+    block_m = BLOCK_M if not interpreting(_masked_attention_kernel) else min(64, max(16, next_pow2(T * group)))
+    return (block_m, *key_tiles(q.device, max(16, next_pow2(D)), q.element_size()))
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -202,15 +209,12 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """
     _check_inputs(q, keys, values, mask)
     B, T, H, D = q.shape
-    Hkv, S = keys.shape[1], keys.shape[2]
     if q.dtype == torch.float64 or (not q.is_cuda and not interpreting(_masked_attention_kernel)):
         return masked_attention_reference(q, keys, values, mask, scale)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out.flatten(-2)
-    group = H // Hkv
-    block_m = BLOCK_M if not interpreting(_masked_attention_kernel) else min(64, max(16, next_pow2(T * group)))
-    block_n, stages = key_tiles(q.device, max(16, next_pow2(D)), q.element_size())
+    block_m, block_n, stages = _tiles(q, keys)
     launch(q, keys, values, mask, out, None, scale, block_m, block_n, 4, stages)
     return out.flatten(-2)
 
@@ -230,11 +234,11 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     mask_u8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     if segments is None:
-        S, at, split, new_k, new_v, mask2 = keys.shape[2], 0, 0, keys, values, mask_u8
+        S, split, new_k, new_v, mask2 = keys.shape[2], 0, keys, values, mask_u8
         new_strides = (0,) * 9
-    else:
-        new_k, new_v, at, mask2, split = segments
-        S, mask2 = at + T, mask2.view(torch.uint8)
+    else:  # the kernel walks the buffer's columns before `at`, then the new rows
+        new_k, new_v, S, mask2, split = segments
+        mask2 = mask2.view(torch.uint8)
         new_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(2), new_v.stride(0), new_v.stride(1),
                        new_v.stride(2), *mask2.stride())
     grid = (triton.cdiv(T * (H // Hkv), block_m), B * Hkv)
@@ -246,7 +250,7 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *lse_strides, *new_strides,
-        scale * LOG2_E, T, S, Hkv, at, split,
+        scale * LOG2_E, T, S, Hkv, split,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=upcast, PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
         STORE_LSE=lse is not None, SEGMENTS=segments is not None, BLOCK_T=max(16, next_pow2(T)),
@@ -308,9 +312,7 @@ def masked_attention_into(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out.flatten(-2)
-    group = H // keys.shape[1]
-    block_m = BLOCK_M if not interpreting(_masked_attention_kernel) else min(64, max(16, next_pow2(T * group)))
-    block_n, stages = key_tiles(q.device, max(16, next_pow2(D)), q.element_size())
+    block_m, block_n, stages = _tiles(q, keys)
     launch(q, keys, values, ring_mask[:, None, :].expand(B, T, W), out, None, scale, block_m, block_n, 4, stages,
            Segments(new_k, new_v, at, tree_mask, W))
     return out.flatten(-2)

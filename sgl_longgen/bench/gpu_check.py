@@ -188,9 +188,8 @@ def engine(model: Path, draft: Path | None, args, spec: bool = True) -> object:
     return open_engine(**kw)
 
 
-# --drafter-weights: setting -> (matrices in fp8, the fp8 GEMM's product in fp16 (its table's own),
-# its matrices read through tensor descriptors where they can be (its table's own))
-# setting -> (fp8 matrices, the GEMM's product in fp16, tiles through descriptors, split sums inline when compiled)
+# --drafter-weights: setting -> (matrices in fp8, the fp8 GEMM's product in fp16, its tiles read through tensor
+# descriptors where they can be, a split GEMM's sums inside the next kernel when compiled); True: the table's own
 DRAFTER_WEIGHTS = {"bf16": (False, True, True, True), "fp8": (True, True, True, True),
                    "fp8-bf16": (True, False, True, True), "fp8-addr": (True, True, False, True),
                    "fp8-sums": (True, True, True, False)}
