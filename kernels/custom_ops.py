@@ -91,6 +91,18 @@ def _(parent_scores, top, ids, width):
     return top.new_empty(shape), ids.new_empty(shape), ids.new_empty(shape, dtype=torch.int64)
 
 
+@torch.library.custom_op("sgl_longgen::cut_beam", mutates_args=())
+def _cut_beam_op(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _topk.cut_beam(scores, tokens, parents, depths, n)
+
+
+@_cut_beam_op.register_fake
+def _(scores, tokens, parents, depths, n):
+    B, n = scores.shape[0], min(n, scores.shape[1])
+    return scores.new_empty((B, 3 * n + 1), dtype=torch.int64), scores.new_empty((B, n))
+
+
 @torch.library.custom_op("sgl_longgen::masked_attention", mutates_args=())
 def _masked_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
@@ -120,6 +132,7 @@ fp8_gemm_parts = _when_compiling(_fp8_gemm_parts_op, lambda x, q, scale: _fp8.fp
 prefix_attention = _when_compiling(_prefix_attention_op, _prefix.prefix_attention)
 log_softmax_topk = _when_compiling(_log_softmax_topk_op, _topk.log_softmax_topk)
 best_of_rows = _when_compiling(_best_of_rows_op, _topk.best_of_rows)
+cut_beam = _when_compiling(_cut_beam_op, _topk.cut_beam)
 masked_attention = _when_compiling(_masked_attention_op, _masked.masked_attention)
 # writes its keys/values arguments in place: inductor then passes the step's buffers as they are
 masked_attention_into = _when_compiling(_masked_attention_into_op, _masked.masked_attention_into)

@@ -13,7 +13,13 @@ some ten launches of digit counts and scans per call), about 60-90 us a level on
    the chunks' candidates by the same order, as ``logit - lse``;
 3. (:func:`best_of_rows`) one program per request: the level's ``width`` best of its rows'
    candidates, each scored ``parent + logp``, by the same repeated selection (where
-   ``torch.topk`` of 256 candidates took a sort and a gather, some 11 us a level on an H200).
+   ``torch.topk`` of 256 candidates took a sort and a gather, some 11 us a level on an H200);
+4. (:func:`cut_beam`) one program per request, once a step: the tree's ``n`` best nodes (a stable
+   descending order: equal scores, the earlier node first) in creation order, their parents
+   renumbered, written as the two rows the host reads (where PyTorch took two sorts, a scatter,
+   gathers and a concatenation, eight launches and some 18 us at the end of a compiled step on an
+   H200). Each node's rank is counted against every other node (a few thousand comparisons), its
+   place among the kept ones is a prefix sum, and a parent's new index a masked sum over the kept.
 
 A logit in a row's top ``k`` is in its chunk's top ``k`` (under one total order, a chunk holds
 no more better elements than the whole row), so the result is exact: the row's top ``k`` with
@@ -186,3 +192,55 @@ def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tens
     _best_of_rows_kernel[(B,)](parent_scores.contiguous(), top.contiguous(), ids.contiguous(), score, token, row,
                                n, k, width, CAND=next_pow2(n * k), WIDTH=next_pow2(width), num_warps=4)
     return score, token, row
+
+
+@triton.jit
+def _cut_beam_kernel(Scores, Tokens, Parents, Depths, OutInts, OutScores, num_nodes, n,
+                     stride_s, stride_t, stride_p, stride_i, stride_o, BLOCK_P: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_P)
+    ok = i < num_nodes
+    s = tl.load(Scores + b * stride_s + i, mask=ok, other=float("-inf"))
+    # node j is ahead of node i: a higher score, or an equal one and an earlier node
+    ahead = ((s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (i[None, :] < i[:, None]))) & ok[None, :]
+    keep = ok & (tl.sum(ahead.to(tl.int32), axis=1) < n)
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # a kept node's index in creation order
+    par = tl.load(Parents + b * stride_p + i, mask=ok, other=-1).to(tl.int32)
+    # the parent's new index (pos + 1 summed over the one kept node that is the parent, minus 1),
+    # -1 where it was cut; a root's -1 stays
+    of_parent = (i[None, :] == par[:, None]) & keep[None, :]
+    new_par = tl.where(par >= 0, tl.sum(tl.where(of_parent, pos[None, :] + 1, 0), axis=1) - 1, par)
+    broken = tl.max((keep & (par >= 0) & (new_par < 0)).to(tl.int32), axis=0)
+    row = OutInts + b * stride_i
+    tl.store(row + pos, tl.load(Tokens + b * stride_t + i, mask=keep).to(tl.int64), mask=keep)
+    tl.store(row + n + pos, new_par.to(tl.int64), mask=keep)
+    tl.store(row + 2 * n + pos, tl.load(Depths + i, mask=keep).to(tl.int64), mask=keep)
+    tl.store(row + 3 * n, broken.to(tl.int64))
+    tl.store(OutScores + b * stride_o + pos, s, mask=keep)
+
+
+MAX_CUT_NODES = 1024  # cut_beam's nodes, compared all against all in one program
+
+
+def cut_beam(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` best of each row's ``P`` nodes (``scores``, ``tokens``, ``parents`` ``[B, P]``, the
+    parents indices into the row or -1, ``depths`` ``[P]``) as the host reads a beam: int64 ``[B, 3n'
+    + 1]`` (tokens, renumbered parents, depths, a flag set where a kept node lost its parent) and
+    the scores ``[B, n']``, ``n' = min(n, P)``. The PyTorch twin is
+    ``beam_rows(*select_nodes_batched(...))`` (:mod:`sgl_longgen.core.longspec`)."""
+    B, P = scores.shape
+    if tokens.shape != (B, P) or parents.shape != (B, P) or depths.shape != (P,):
+        raise ValueError(f"cut_beam takes [B, P] scores, tokens and parents and [P] depths, got {tuple(scores.shape)}, "
+                         f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(depths.shape)}")
+    if not 1 <= P <= MAX_CUT_NODES or n < 1:
+        raise ValueError(f"cut_beam keeps n >= 1 of 1 to {MAX_CUT_NODES} nodes, got n = {n} of {P}")
+    n = min(n, P)
+    scores, tokens, parents, depths = (t.contiguous() for t in (scores, tokens, parents, depths))
+    ints = torch.empty(B, 3 * n + 1, dtype=torch.int64, device=scores.device)
+    kept = torch.empty(B, n, dtype=scores.dtype, device=scores.device)
+    if B:
+        _cut_beam_kernel[(B,)](scores, tokens, parents, depths, ints, kept, P, n, scores.stride(0), tokens.stride(0),
+                               parents.stride(0), ints.stride(0), kept.stride(0), BLOCK_P=max(16, next_pow2(P)),
+                               num_warps=4)
+    return ints, kept

@@ -461,7 +461,6 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
         DEFAULT_WIDTHS,
         BeamPlan,
         RingPool,
-        beam_rows,
         expand_batch,
         expand_rings,
         fuse_projections,
@@ -508,8 +507,8 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
             for name, step_plan in plans.items():
                 def body(packed, indptr, step_plan=step_plan):
                     attend = kernel_attention(k_buffer, v_buffer, indptr, kv_indices, drafter.cross_attn.scale)
-                    return beam_rows(*expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed,
-                                                   attend, step_plan))
+                    return expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), packed, attend,
+                                        step_plan)
 
                 # compiled during the capture's warm-up runs; its first replay is checked against
                 # the compiled function run eagerly, as the worker checks its graph. Dynamo's caches

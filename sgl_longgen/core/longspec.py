@@ -1176,8 +1176,8 @@ def expand_batch(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
     pre, step = plan.pack(pending, starts, rings, pool.scratch)
     if pre is not None:
         feed_rings(drafter, embed, rope, pool, pre.to(pool.k.device), plan)
-    beam, broken = expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos), step.to(pool.k.device),
-                                attend, plan)
+    beam, broken = beam_of_rows(*expand_rings(drafter, embed, head, rope, (pool.k, pool.v, pool.pos),
+                                              step.to(pool.k.device), attend, plan))
     if bool(broken.any()):
         raise AssertionError("the cut tree is not closed under ancestors")
     return beam
@@ -1192,8 +1192,9 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
     ``feed`` tokens of each request join its ring (``pool``: a :class:`RingPool`'s ``k``, ``v``,
     ``pos``, written in place), then the beam. Every shape follows from ``B`` and the plan and
     nothing is read back to the host: one CUDA graph per batch size can replay it. Returns the
-    ``[B, N]`` beam and a ``[B]`` flag of rows whose cut was not closed under ancestors (never
-    set; checked by the caller once the beam is on the host anyway).
+    ``[B, N]`` beam as the two tensors the host reads (:func:`beam_rows`: its int64 fields and a
+    flag of rows whose cut was not closed under ancestors, never set, checked by the caller once
+    the beam is on the host anyway; the scores).
 
     The root is the feed's last token: its queries come from the feed's own projection and its
     keys are its ring, where the feed just wrote its K/V. Each later level writes its rows' K/V
@@ -1238,7 +1239,22 @@ def expand_rings(drafter: LongSpecDrafter, embed: Callable[[torch.Tensor], torch
             plan.add_ancestors(ancestors, parent, level)
         levels.append((score, drafter.to_target(pick), parent))
     scores, tokens, parents = (torch.cat([lv[i] for lv in levels], dim=1) for i in range(3))
-    return select_nodes_batched(scores, tokens, parents, plan.depths, plan.tree_size)
+    return _cut_rows(scores, tokens, parents, plan)
+
+
+def _cut_rows(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, plan: BeamPlan
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`beam_rows` of :func:`select_nodes_batched`; on a GPU (unless the plan's selections run
+    in PyTorch) one Triton launch (``kernels/longspec_topk.py``, ``cut_beam``) where the two sorts,
+    the scatter, the gathers and the concatenation took eight."""
+    if plan.fused_topk and scores.is_cuda and scores.dtype != torch.float64:
+        from ..kernels.longspec_topk import MAX_CUT_NODES
+
+        if scores.shape[1] <= MAX_CUT_NODES:
+            from ..kernels.custom_ops import cut_beam
+
+            return cut_beam(scores, tokens, parents, plan.depths, plan.tree_size)
+    return beam_rows(*select_nodes_batched(scores, tokens, parents, plan.depths, plan.tree_size))
 
 
 def select_nodes_batched(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

@@ -51,7 +51,6 @@ from ..core.longspec import (
     BeamPlan,
     RingPool,
     beam_of_rows,
-    beam_rows,
     beam_tree,
     check_target,
     draft_head,
@@ -486,9 +485,8 @@ class LongSpecDrafter(Drafter):
             feed_rings(self.drafter, self.embedding, self.rope, self.pool, to_device(pre, dev), self.plan)
         if b.lengths is None:
             clock.gpu_mark("draft_gpu")
-            rows = beam_rows(*expand_rings(self.drafter, self.embedding, self._head, self.rope,
-                                           (self.pool.k, self.pool.v, self.pool.pos), to_device(step, dev),
-                                           b.attend, self.plan))
+            rows = expand_rings(self.drafter, self.embedding, self._head, self.rope,
+                                (self.pool.k, self.pool.v, self.pool.pos), to_device(step, dev), b.attend, self.plan)
         else:
             step_in, indptr = self._graph_input(step, b.lengths)
             clock.gpu_mark("draft_gpu")
@@ -539,8 +537,8 @@ class LongSpecDrafter(Drafter):
         k_buffer, v_buffer = self._buffers
         attend = kernel_attention(k_buffer, v_buffer, kv_indptr.to(torch.int32), self._slots[step.shape[0]],
                                   self.drafter.cross_attn.scale)
-        return beam_rows(*expand_rings(self.drafter, self.embedding, self._head, self.rope,
-                                       (self.pool.k, self.pool.v, self.pool.pos), step, attend, self.plan))
+        return expand_rings(self.drafter, self.embedding, self._head, self.rope,
+                            (self.pool.k, self.pool.v, self.pool.pos), step, attend, self.plan)
 
     def _full_head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head.weight[: self.env.vocab_size])  # SGLang pads the head's rows

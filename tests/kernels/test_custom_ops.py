@@ -117,6 +117,24 @@ def test_the_level_pick_is_one_node_of_a_trace():
     assert torch.equal(score, want[0] + 1) and torch.equal(token, want[1]) and torch.equal(row, want[2])
 
 
+def test_the_beams_cut_is_one_node_of_a_trace():
+    from sgl_longgen.kernels.longspec_topk import cut_beam
+
+    g = torch.Generator().manual_seed(5)
+    scores = -torch.rand(2, 9, generator=g).to(DEVICE)
+    tokens = torch.randint(0, 100, (2, 9), generator=g).to(DEVICE)
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2, 2, 3, 4]] * 2, device=DEVICE)
+    depths = torch.tensor([1, 1, 2, 2, 2, 3, 3, 3, 3], device=DEVICE)
+
+    def cut(scores):
+        ints, kept = custom_ops.cut_beam(scores * 2, tokens, parents, depths, 6)
+        return ints + 1, kept
+
+    want = cut_beam(scores * 2, tokens, parents, depths, 6)
+    ints, kept = traced(cut)(scores)
+    assert torch.equal(ints, want[0] + 1) and torch.equal(kept, want[1])
+
+
 def test_the_level_attention_writing_its_buffers_is_one_node_of_a_trace():
     """Two levels in a row, each writing its rows into the buffers the next one reads: the trace
     (its op declared as writing them) gives the direct calls' outputs and leaves the same buffers."""

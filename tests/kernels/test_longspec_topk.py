@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from sgl_longgen.kernels.longspec_topk import (
+    MAX_CUT_NODES,
     chunk_size,
+    cut_beam,
     log_softmax_topk,
     log_softmax_topk_reference,
 )
@@ -109,3 +111,80 @@ def test_the_level_pick_breaks_ties_by_row_then_candidate():
         assert score[0].tolist() == [-0.5, -0.5, -1.0, -1.0]
     with pytest.raises(ValueError, match="width must be in"):
         best_of_rows(parents, top, ids, 7)
+
+
+def random_beam(B, widths, seed, ties=True):
+    """``[B, P]`` scores, tokens and parents of beam trees (each level's parents among the level
+    before; a child's score below its parent's, often by the same step, so scores repeat) and the
+    ``[P]`` depths."""
+    g = torch.Generator().manual_seed(seed)
+    depths = torch.cat([torch.full((w,), d + 1) for d, w in enumerate(widths)])
+    scores, parents = [], []
+    for _ in range(B):
+        sc, par, prev, start = [], [], None, 0
+        for w in widths:
+            if prev is None:
+                par += [-1] * w
+                sc += (-torch.randint(0, 4, (w,), generator=g).float() * 0.25).tolist()
+            else:
+                chosen = torch.randint(prev[0], prev[1], (w,), generator=g).tolist()
+                par += chosen
+                step = torch.randint(1, 3, (w,), generator=g).float() * 0.5 if ties else torch.rand(w, generator=g) + 0.1
+                sc += [sc[c] - float(x) for c, x in zip(chosen, step)]
+            prev, start = (start, start + w), start + w
+        scores.append(sc)
+        parents.append(par)
+    tokens = torch.randint(0, 128256, (B, len(depths)), generator=g)
+    return (torch.tensor(scores, dtype=torch.float32), tokens, torch.tensor(parents), depths)
+
+
+@pytest.mark.parametrize("B,widths,n", [(1, (4, 16, 16, 16, 16), 63), (3, (4, 16, 16, 16, 16), 20),
+                                        (2, (2, 3, 5), 1), (2, (2, 3, 5), 99), (4, (8, 40, 60), 31)])
+def test_the_cut_is_its_twin(B, widths, n):
+    """The kept nodes, their order, renumbered parents, depths, scores and flags: exactly the
+    PyTorch cut's (two stable sorts, a scatter and gathers) on trees full of equal scores."""
+    from sgl_longgen.core.longspec import beam_rows, select_nodes_batched
+
+    scores, tokens, parents, depths = random_beam(B, widths, seed=B * 100 + n)
+    want = beam_rows(*select_nodes_batched(scores, tokens, parents, depths, n))
+    got = cut_beam(*(t.to(DEVICE) for t in (scores, tokens, parents, depths)), n)
+    assert got[0].dtype == torch.int64 and got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_the_cut_flags_a_kept_node_whose_parent_was_cut():
+    """A node scored above its parent (never in a beam, where scores only fall) is kept while the
+    parent is cut: the row's flag is set, as the twin sets it, and the orphan's parent is -1."""
+    from sgl_longgen.core.longspec import beam_rows, select_nodes_batched
+
+    scores, tokens, parents, depths = random_beam(2, (2, 3, 5), seed=7, ties=False)
+    parents[0, -1] = parents.shape[1] - 2
+    scores[0, -2], scores[0, -1] = -100.0, 0.5
+    want = beam_rows(*select_nodes_batched(scores, tokens, parents, depths, 5))
+    got = cut_beam(*(t.to(DEVICE) for t in (scores, tokens, parents, depths)), 5)
+    assert torch.equal(got[0].cpu(), want[0]) and want[0][:, -1].tolist() == [1, 0]
+    assert got[0][0, 5 + 4].item() == -1  # the orphan is kept last (creation order) and lost its parent
+
+
+def test_a_swapped_tie_is_caught():
+    """Two equal scores at the cut's edge: keeping the later node instead of the earlier one (what
+    an unstable order could do) changes the rows, so the exact comparison above would see it."""
+    from sgl_longgen.core.longspec import beam_rows, select_nodes_batched
+
+    scores = torch.tensor([[-1.0, -2.0, -2.0, -3.0]])
+    tokens, parents, depths = torch.tensor([[10, 11, 12, 13]]), torch.tensor([[-1, 0, 0, 1]]), torch.tensor([1, 2, 2, 3])
+    got = cut_beam(*(t.to(DEVICE) for t in (scores, tokens, parents, depths)), 2)[0].cpu()
+    assert got[0, :2].tolist() == [10, 11]  # the earlier of the two -2.0 nodes
+    swapped = beam_rows(*select_nodes_batched(scores, tokens[:, [0, 2, 1, 3]], parents, depths, 2))[0]
+    assert not torch.equal(got, swapped)
+
+
+def test_bad_cut_inputs_are_refused():
+    scores, tokens, parents, depths = random_beam(1, (2, 3), seed=1)
+    with pytest.raises(ValueError, match="depths"):
+        cut_beam(scores, tokens, parents, depths[:-1], 3)
+    with pytest.raises(ValueError, match="keeps n"):
+        cut_beam(scores, tokens, parents, depths, 0)
+    big = torch.zeros(1, MAX_CUT_NODES + 1)
+    with pytest.raises(ValueError, match="keeps n"):
+        cut_beam(big, big.long(), big.long(), torch.zeros(MAX_CUT_NODES + 1, dtype=torch.long), 3)
