@@ -6,7 +6,12 @@ PyTorch that is a vocabulary-wide ``log_softmax`` (one block per row: 16 rows le
 mostly idle) and ``torch.topk`` (for 16 rows of 32K-128K logits, its multi-block radix select:
 some ten launches of digit counts and scans per call), about 60-90 us a level on an H100. Here:
 
-1. one program per (row, chunk of ``CHUNK`` logits): the chunk's max and sum of exponentials (the
+Every selection orders by one int64 key an element (:func:`_order_key`: the value's bits, then
+the index), so picking the next best is one max reduction where comparing values and then
+indices took two (on an H200 16 rows' top 16 of 32K logits 16.3 -> 13.7 us, the level's pick
+6.0 -> 4.8).
+
+1. one program per (row, chunk of ``CHUNK_LOGITS`` logits): the chunk's max and sum of exponentials (the
    row's log-sum-exp in parts) and its ``k`` best logits by repeated selection (value descending,
    vocabulary index ascending among equal values);
 2. one program per row: the log-sum-exp from the chunks' parts, and the row's ``k`` best among
@@ -38,6 +43,40 @@ import triton.language as tl
 from .triton_common import interpreting, next_pow2
 
 MAX_K = 64  # selections are unrolled: wider top-ks go through torch.topk
+# Launch settings: a selection is a chain of reductions, so a program's latency, not the bytes,
+# sets each kernel's time. Swept on an H200 at 32K logits and 1-16 rows (chunks of 1K-4K, 1-4
+# warps a kernel): 2K chunks at 4 warps (fewer warps spill: 1 warp took 27 us where 4 took 11),
+# the merge and the level's pick at 1 warp (no barrier in their reductions), the cut at 4.
+CHUNK_LOGITS = 2048
+CHUNK_WARPS = 4
+MERGE_WARPS = 1
+PICK_WARPS = 1
+CUT_WARPS = 4
+
+
+_NONE = tl.constexpr(-9223372036854775808)  # below every key: a dead or missing element
+
+
+@triton.jit
+def _order_key(x, idx):
+    """One int64 per element whose order is the selection's: the float32 value in the high half
+    (its bits mapped so signed integers order as the floats do, -0.0 made +0.0 so the two tie as
+    floats do), ``2^31 - 1 - idx`` in the low half (equal values: the lower index is larger). A
+    selection is then one max reduction where comparing values, then indices, took two."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64)
+
+
+@triton.jit
+def _from_key(key):
+    """The value and index a key was made from; ``-inf`` and ``-1`` for ``_NONE``."""
+    ordered = (key >> 32).to(tl.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    found = key != _NONE
+    value = tl.where(found, bits.to(tl.float32, bitcast=True), float("-inf"))
+    idx = tl.where(found, 2147483647 - key.to(tl.int32), -1)  # the low half
+    return value, idx
 
 
 @triton.jit
@@ -56,16 +95,13 @@ def _chunk_topk_kernel(Logits, stride_row, vocab, Val, Idx, Max, Sum, num_chunks
     tl.store(Sum + part, s)
 
     ks = tl.arange(0, K)
-    vals = tl.full([K], float("-inf"), tl.float32)
-    idxs = tl.full([K], -1, tl.int32)
-    alive = ok
+    key = tl.where(ok, _order_key(x, offs), _NONE)
+    picked = tl.full([K], _NONE, tl.int64)
     for i in tl.static_range(K):
-        best = tl.max(tl.where(alive, x, float("-inf")), axis=0)
-        pos = tl.min(tl.where(alive & (x == best), offs, 2147483647), axis=0)
-        found = pos < 2147483647
-        vals = tl.where(ks == i, tl.where(found, best, float("-inf")), vals)
-        idxs = tl.where(ks == i, tl.where(found, pos, -1), idxs)
-        alive = alive & (offs != pos)
+        best = tl.max(key, axis=0)
+        picked = tl.where(ks == i, best, picked)
+        key = tl.where(key == best, _NONE, key)
+    vals, idxs = _from_key(picked)
     tl.store(Val + part * K + ks, vals)
     tl.store(Idx + part * K + ks, idxs)
 
@@ -81,23 +117,22 @@ def _merge_topk_kernel(Val, Idx, Max, Sum, OutVal, OutIdx, num_chunks, k,
     top = tl.max(mx, axis=0)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.where(mx > float("-inf"), sm * tl.exp(mx - top_safe), 0.0), axis=0)
-    lse = top_safe + tl.log(total)
+    log_total = tl.log(total)  # the log-sum-exp is top_safe + log_total
 
     j = tl.arange(0, CAND)
     j_ok = j < num_chunks * K
     v = tl.load(Val + row * num_chunks * K + j, mask=j_ok, other=float("-inf"))
     ix = tl.load(Idx + row * num_chunks * K + j, mask=j_ok, other=-1)
-    alive = j_ok & (ix >= 0)
+    key = tl.where(j_ok & (ix >= 0), _order_key(v, ix), _NONE)
     ks = tl.arange(0, K)
-    out_v = tl.full([K], float("-inf"), tl.float32)
-    out_i = tl.full([K], -1, tl.int32)
+    picked = tl.full([K], _NONE, tl.int64)
     for i in tl.static_range(K):
-        best = tl.max(tl.where(alive, v, float("-inf")), axis=0)
-        pick = tl.min(tl.where(alive & (v == best), ix, 2147483647), axis=0)
-        found = pick < 2147483647
-        out_v = tl.where(ks == i, tl.where(found, best - lse, float("-inf")), out_v)
-        out_i = tl.where(ks == i, tl.where(found, pick, -1), out_i)
-        alive = alive & (ix != pick)
+        best = tl.max(key, axis=0)
+        picked = tl.where(ks == i, best, picked)
+        key = tl.where(key == best, _NONE, key)
+    best_v, out_i = _from_key(picked)
+    # (logit - max) - log(sum): log_softmax's order of operations, exact at any magnitude of max
+    out_v = tl.where(out_i >= 0, (best_v - top_safe) - log_total, float("-inf"))
     keep = ks < k
     tl.store(OutVal + row * k + ks, out_v, mask=keep)
     tl.store(OutIdx + row * k + ks, out_i.to(tl.int64), mask=keep)
@@ -112,15 +147,14 @@ def _best_of_rows_kernel(Parent, Top, Ids, OutScore, OutId, OutRow, n, k, width,
     row = j // k
     v = tl.load(Parent + b * n + row, mask=ok, other=0.0) + tl.load(Top + b * n * k + j, mask=ok, other=0.0)
     ws = tl.arange(0, WIDTH)
-    out_v = tl.full([WIDTH], float("-inf"), tl.float32)
-    out_j = tl.full([WIDTH], 0, tl.int32)
-    alive = ok
+    key = tl.where(ok, _order_key(v, j), _NONE)
+    picked = tl.full([WIDTH], _NONE, tl.int64)
     for i in tl.static_range(WIDTH):
-        best = tl.max(tl.where(alive, v, float("-inf")), axis=0)
-        pick = tl.min(tl.where(alive & (v == best), j, 2147483647), axis=0)
-        out_v = tl.where(ws == i, best, out_v)
-        out_j = tl.where(ws == i, pick, out_j)
-        alive = alive & (j != pick)
+        best = tl.max(key, axis=0)
+        picked = tl.where(ws == i, best, picked)
+        key = tl.where(key == best, _NONE, key)
+    out_v, out_j = _from_key(picked)
+    out_j = tl.maximum(out_j, 0)
     keep = ws < width
     tl.store(OutScore + b * width + ws, out_v, mask=keep)
     tl.store(OutId + b * width + ws, tl.load(Ids + b * n * k + out_j, mask=keep, other=0), mask=keep)
@@ -130,7 +164,7 @@ def _best_of_rows_kernel(Parent, Top, Ids, OutScore, OutId, OutRow, n, k, width,
 def chunk_size(vocab: int) -> int:
     """Logits per first-stage program: whole rows up to 2K, else 2K-wide chunks (many programs
     for few rows; the interpreter, which pays per operation, takes whole rows up to 16K)."""
-    limit = 16384 if interpreting(_chunk_topk_kernel) else 2048
+    limit = 16384 if interpreting(_chunk_topk_kernel) else CHUNK_LOGITS
     return min(next_pow2(vocab), limit)
 
 
@@ -153,11 +187,11 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     mx = torch.empty(R, num_chunks, dtype=torch.float32, device=dev)
     sm = torch.empty(R, num_chunks, dtype=torch.float32, device=dev)
     _chunk_topk_kernel[(R, num_chunks)](rows, rows.stride(0), vocab, val, idx, mx, sm, num_chunks,
-                                        CHUNK=chunk, K=K, num_warps=4 if chunk <= 2048 else 8)
+                                        CHUNK=chunk, K=K, num_warps=CHUNK_WARPS)
     out_v = torch.empty(R, k, dtype=torch.float32, device=dev)
     out_i = torch.empty(R, k, dtype=torch.int64, device=dev)
     _merge_topk_kernel[(R,)](val, idx, mx, sm, out_v, out_i, num_chunks, k, CHUNKS=next_pow2(num_chunks),
-                             CAND=next_pow2(num_chunks * K), K=K, num_warps=4)
+                             CAND=next_pow2(num_chunks * K), K=K, num_warps=MERGE_WARPS)
     return out_v.view(*lead, k), out_i.view(*lead, k)
 
 
@@ -190,7 +224,7 @@ def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tens
     token = torch.empty(B, width, dtype=ids.dtype, device=top.device)
     row = torch.empty(B, width, dtype=torch.int64, device=top.device)
     _best_of_rows_kernel[(B,)](parent_scores.contiguous(), top.contiguous(), ids.contiguous(), score, token, row,
-                               n, k, width, CAND=next_pow2(n * k), WIDTH=next_pow2(width), num_warps=4)
+                               n, k, width, CAND=next_pow2(n * k), WIDTH=next_pow2(width), num_warps=PICK_WARPS)
     return score, token, row
 
 
@@ -201,8 +235,9 @@ def _cut_beam_kernel(Scores, Tokens, Parents, Depths, OutInts, OutScores, num_no
     i = tl.arange(0, BLOCK_P)
     ok = i < num_nodes
     s = tl.load(Scores + b * stride_s + i, mask=ok, other=float("-inf"))
-    # node j is ahead of node i: a higher score, or an equal one and an earlier node
-    ahead = ((s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (i[None, :] < i[:, None]))) & ok[None, :]
+    # node j is ahead of node i: a higher score, or an equal one and an earlier node (one key each)
+    key = _order_key(s, i)
+    ahead = (key[None, :] > key[:, None]) & ok[None, :]
     keep = ok & (tl.sum(ahead.to(tl.int32), axis=1) < n)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # a kept node's index in creation order
     par = tl.load(Parents + b * stride_p + i, mask=ok, other=-1).to(tl.int32)
@@ -242,5 +277,5 @@ def cut_beam(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, 
     if B:
         _cut_beam_kernel[(B,)](scores, tokens, parents, depths, ints, kept, P, n, scores.stride(0), tokens.stride(0),
                                parents.stride(0), ints.stride(0), kept.stride(0), BLOCK_P=max(16, next_pow2(P)),
-                               num_warps=4)
+                               num_warps=CUT_WARPS)
     return ints, kept

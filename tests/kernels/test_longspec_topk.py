@@ -50,6 +50,32 @@ def test_ties_go_to_the_lowest_index_across_chunks():
     assert torch.equal(log_softmax_topk(logits, 8)[1], idx)  # the same on every call
 
 
+def test_the_order_holds_across_signs_zeros_and_extremes():
+    """The kernels select by one integer key a value: the float order must survive the mapping for
+    negative and positive values, subnormals, the largest magnitudes and -inf, and -0.0 must tie
+    with +0.0 (lower index first), as they compare as floats."""
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, float("-inf"), 1.0, -1.0, 2.5, -2.5])
+    vocab = 2 * chunk_size(10 ** 6) + 5
+    g = torch.Generator().manual_seed(3)
+    logits = special[torch.randint(len(special), (3, vocab), generator=g)]
+    logits[2] = torch.where(logits[2] > -1e-30, logits[2] * 0, logits[2])  # row 2 tops out at +-0.0: a tie
+    logits = logits.to(DEVICE)
+    val, idx = log_softmax_topk(logits, 16)
+    want_val, want_idx = log_softmax_topk_reference(logits, 16)
+    assert torch.equal(idx, want_idx)
+    assert torch.allclose(val, want_val, atol=1e-5, rtol=1e-5)  # the sums' order aside, at 3e38 too
+    zeros = (logits[2] == 0).nonzero().flatten()[:16].tolist()
+    assert idx[2].tolist() == zeros  # +0.0 and -0.0 alike, by index
+    from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
+    from sgl_longgen.kernels.longspec_topk import best_of_rows
+
+    top = special[torch.randint(len(special), (2, 4, 8), generator=g)].to(DEVICE)
+    parents = torch.tensor([[0.0, -0.0, -1.0, 2.0], [float("-inf"), 0.5, -0.0, 0.0]], device=DEVICE)
+    ids = torch.arange(64, device=DEVICE).view(2, 4, 8)
+    got, want = best_of_rows(parents, top, ids, 16), torch_best_of_rows(parents, top, ids, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_k_past_the_unrolled_limit_is_refused():
     with pytest.raises(ValueError, match="k must be in"):
         log_softmax_topk(torch.zeros(1, 100, device=DEVICE), 65)
