@@ -80,6 +80,19 @@ def _from_key(key):
 
 
 @triton.jit
+def _best_keys(key, K: tl.constexpr):
+    """The ``K`` largest of the keys ``key`` (:func:`_order_key`, ``_NONE`` for the dead), largest
+    first: ``K`` max reductions in turn, each picked key struck out."""
+    ks = tl.arange(0, K)
+    picked = tl.full([K], _NONE, tl.int64)
+    for i in tl.static_range(K):
+        best = tl.max(key, axis=0)
+        picked = tl.where(ks == i, best, picked)
+        key = tl.where(key == best, _NONE, key)
+    return picked
+
+
+@triton.jit
 def _chunk_topk_kernel(Logits, stride_row, vocab, Val, Idx, Max, Sum, num_chunks,
                        CHUNK: tl.constexpr, K: tl.constexpr):
     row = tl.program_id(0)
@@ -95,13 +108,7 @@ def _chunk_topk_kernel(Logits, stride_row, vocab, Val, Idx, Max, Sum, num_chunks
     tl.store(Sum + part, s)
 
     ks = tl.arange(0, K)
-    key = tl.where(ok, _order_key(x, offs), _NONE)
-    picked = tl.full([K], _NONE, tl.int64)
-    for i in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        picked = tl.where(ks == i, best, picked)
-        key = tl.where(key == best, _NONE, key)
-    vals, idxs = _from_key(picked)
+    vals, idxs = _from_key(_best_keys(tl.where(ok, _order_key(x, offs), _NONE), K))
     tl.store(Val + part * K + ks, vals)
     tl.store(Idx + part * K + ks, idxs)
 
@@ -123,14 +130,8 @@ def _merge_topk_kernel(Val, Idx, Max, Sum, OutVal, OutIdx, num_chunks, k,
     j_ok = j < num_chunks * K
     v = tl.load(Val + row * num_chunks * K + j, mask=j_ok, other=float("-inf"))
     ix = tl.load(Idx + row * num_chunks * K + j, mask=j_ok, other=-1)
-    key = tl.where(j_ok & (ix >= 0), _order_key(v, ix), _NONE)
     ks = tl.arange(0, K)
-    picked = tl.full([K], _NONE, tl.int64)
-    for i in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        picked = tl.where(ks == i, best, picked)
-        key = tl.where(key == best, _NONE, key)
-    best_v, out_i = _from_key(picked)
+    best_v, out_i = _from_key(_best_keys(tl.where(j_ok & (ix >= 0), _order_key(v, ix), _NONE), K))
     # (logit - max) - log(sum): log_softmax's order of operations, exact at any magnitude of max
     out_v = tl.where(out_i >= 0, (best_v - top_safe) - log_total, float("-inf"))
     keep = ks < k
@@ -147,13 +148,7 @@ def _best_of_rows_kernel(Parent, Top, Ids, OutScore, OutId, OutRow, n, k, width,
     row = j // k
     v = tl.load(Parent + b * n + row, mask=ok, other=0.0) + tl.load(Top + b * n * k + j, mask=ok, other=0.0)
     ws = tl.arange(0, WIDTH)
-    key = tl.where(ok, _order_key(v, j), _NONE)
-    picked = tl.full([WIDTH], _NONE, tl.int64)
-    for i in tl.static_range(WIDTH):
-        best = tl.max(key, axis=0)
-        picked = tl.where(ws == i, best, picked)
-        key = tl.where(key == best, _NONE, key)
-    out_v, out_j = _from_key(picked)
+    out_v, out_j = _from_key(_best_keys(tl.where(ok, _order_key(v, j), _NONE), WIDTH))
     out_j = tl.maximum(out_j, 0)
     keep = ws < width
     tl.store(OutScore + b * width + ws, out_v, mask=keep)

@@ -1034,12 +1034,18 @@ def _rotated_qkv(drafter: LongSpecDrafter, x: torch.Tensor, cos: torch.Tensor, s
     return _rope(qk, cos, sin_signed), qkv[..., split:].unflatten(-1, (a.kv_heads, a.head_dim))
 
 
+def _on_kernels(x: torch.Tensor) -> bool:
+    """Whether the step's Triton kernels take ``x``: on a GPU, and not in float64 (the CPU oracle's
+    precision, which the kernels' twins serve)."""
+    return x.is_cuda and x.dtype != torch.float64
+
+
 def _self_attend(drafter: LongSpecDrafter, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
     """Rows ``q`` ``[B, T, H, D]`` over ``keys``/``values`` ``[B, Hkv, S, D]`` where ``mask``
     ``[B, T, S]`` allows; ``[B, T, H * D]``. On a GPU one Triton launch that reads the mask as it
     is (``kernels/masked_attention.py``); elsewhere SDPA, its twin."""
-    if q.is_cuda and q.dtype != torch.float64:
+    if _on_kernels(q):
         from ..kernels.custom_ops import masked_attention  # one node of a torch.compile'd step
 
         return masked_attention(q, keys, values, mask, drafter.self_attn.scale)
@@ -1059,7 +1065,7 @@ def _self_attend_into(drafter: LongSpecDrafter, q: torch.Tensor, keys: torch.Ten
     elsewhere the writes, the masks concatenated and :func:`_self_attend`."""
     from ..kernels.masked_attention import MAX_NEW_ROWS, join_rows
 
-    if plan.fused_window and q.is_cuda and q.dtype != torch.float64 and q.shape[1] <= MAX_NEW_ROWS:
+    if plan.fused_window and _on_kernels(q) and q.shape[1] <= MAX_NEW_ROWS:
         from ..kernels.custom_ops import masked_attention_into  # one node of a torch.compile'd step
 
         return masked_attention_into(q, keys, values, new_k, new_v, at, ring_mask, tree_mask,
@@ -1120,7 +1126,7 @@ def _topk_kernels(plan: BeamPlan, x: torch.Tensor, k: int) -> bool:
     """Whether a level's selections of ``k`` from ``x`` run the Triton kernels: on a GPU, unless the
     plan says otherwise, for a float32/bf16 beam (a float64 one is the CPU oracle's precision) and
     ``k`` within their unrolled selections."""
-    if not (plan.fused_topk and x.is_cuda and x.dtype != torch.float64):
+    if not (plan.fused_topk and _on_kernels(x)):
         return False
     from ..kernels.longspec_topk import MAX_K
 
@@ -1247,7 +1253,7 @@ def _cut_rows(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
     """:func:`beam_rows` of :func:`select_nodes_batched`; on a GPU (unless the plan's selections run
     in PyTorch) one Triton launch (``kernels/longspec_topk.py``, ``cut_beam``) where the two sorts,
     the scatter, the gathers and the concatenation took eight."""
-    if plan.fused_topk and scores.is_cuda and scores.dtype != torch.float64:
+    if plan.fused_topk and _on_kernels(scores):
         from ..kernels.longspec_topk import MAX_CUT_NODES
 
         if scores.shape[1] <= MAX_CUT_NODES:
