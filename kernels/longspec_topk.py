@@ -9,22 +9,24 @@ some ten launches of digit counts and scans per call), about 60-90 us a level on
 Every selection orders by one int64 key an element (:func:`_order_key`: the value's bits, then
 the index), so picking the next best is one max reduction where comparing values and then
 indices took two (on an H200 16 rows' top 16 of 32K logits 16.3 -> 13.7 us, the level's pick
-6.0 -> 4.8).
+6.0 -> 4.8), and on a GPU the ``k`` best come from Triton's bitonic top-k over those keys
+(:func:`_best_keys`; 13.3 -> 13.1 us and 4.3 -> 3.1).
 
 1. one program per (row, chunk of ``CHUNK_LOGITS`` logits): the chunk's max and sum of exponentials (the
-   row's log-sum-exp in parts) and its ``k`` best logits by repeated selection (value descending,
-   vocabulary index ascending among equal values);
+   row's log-sum-exp in parts) and its ``k`` best logits (value descending, vocabulary index
+   ascending among equal values);
 2. one program per row: the log-sum-exp from the chunks' parts, and the row's ``k`` best among
    the chunks' candidates by the same order, as ``logit - lse``;
 3. (:func:`best_of_rows`) one program per request: the level's ``width`` best of its rows'
-   candidates, each scored ``parent + logp``, by the same repeated selection (where
+   candidates, each scored ``parent + logp``, by the same selection (where
    ``torch.topk`` of 256 candidates took a sort and a gather, some 11 us a level on an H200);
 4. (:func:`cut_beam`) one program per request, once a step: the tree's ``n`` best nodes (a stable
    descending order: equal scores, the earlier node first) in creation order, their parents
    renumbered, written as the two rows the host reads (where PyTorch took two sorts, a scatter,
    gathers and a concatenation, eight launches and some 18 us at the end of a compiled step on an
-   H200). Each node's rank is counted against every other node (a few thousand comparisons), its
-   place among the kept ones is a prefix sum, and a parent's new index a masked sum over the kept.
+   H200). The nodes' keys sorted give the last one kept, a kept node's place is a prefix sum and
+   its parent's new index a gather (3.1 us on an H200, where ranking every node against every
+   other took 7.2).
 
 A logit in a row's top ``k`` is in its chunk's top ``k`` (under one total order, a chunk holds
 no more better elements than the whole row), so the result is exact: the row's top ``k`` with
@@ -52,6 +54,10 @@ CHUNK_WARPS = 4
 MERGE_WARPS = 1
 PICK_WARPS = 1
 CUT_WARPS = 4
+# The interpreter pays per operation, not per program: whole rows, and K max reductions where a GPU
+# runs the bitonic network (which takes the interpreter some 250x longer at 16K logits).
+INTERPRETER_CHUNK = 16384
+INTERPRETER_BITONIC = False
 
 
 _NONE = tl.constexpr(-9223372036854775808)  # below every key: a dead or missing element
@@ -80,21 +86,27 @@ def _from_key(key):
 
 
 @triton.jit
-def _best_keys(key, K: tl.constexpr):
-    """The ``K`` largest of the keys ``key`` (:func:`_order_key`, ``_NONE`` for the dead), largest
-    first: ``K`` max reductions in turn, each picked key struck out."""
-    ks = tl.arange(0, K)
-    picked = tl.full([K], _NONE, tl.int64)
-    for i in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        picked = tl.where(ks == i, best, picked)
-        key = tl.where(key == best, _NONE, key)
-    return picked
+def _best_keys(key, K: tl.constexpr, BITONIC: tl.constexpr):
+    """The ``K`` largest of the keys ``key`` (a power-of-two block), largest first. ``BITONIC`` (on a
+    GPU): Triton's bitonic top-k (sorted runs of ``K``, then halving by pairwise max, every step a
+    data-parallel compare-exchange; on an H200 the level's pick of 16 rows 4.3 -> 3.1 us); else ``K``
+    max reductions in turn, each picked key struck out. The keys are distinct, so both give the one
+    order."""
+    if BITONIC:
+        return tl.topk(key, K)
+    else:
+        ks = tl.arange(0, K)
+        picked = tl.full([K], _NONE, tl.int64)
+        for i in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            picked = tl.where(ks == i, best, picked)
+            key = tl.where(key == best, _NONE, key)
+        return picked
 
 
 @triton.jit
 def _chunk_topk_kernel(Logits, stride_row, vocab, Val, Idx, Max, Sum, num_chunks,
-                       CHUNK: tl.constexpr, K: tl.constexpr):
+                       CHUNK: tl.constexpr, K: tl.constexpr, BITONIC: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -108,14 +120,14 @@ def _chunk_topk_kernel(Logits, stride_row, vocab, Val, Idx, Max, Sum, num_chunks
     tl.store(Sum + part, s)
 
     ks = tl.arange(0, K)
-    vals, idxs = _from_key(_best_keys(tl.where(ok, _order_key(x, offs), _NONE), K))
+    vals, idxs = _from_key(_best_keys(tl.where(ok, _order_key(x, offs), _NONE), K, BITONIC))
     tl.store(Val + part * K + ks, vals)
     tl.store(Idx + part * K + ks, idxs)
 
 
 @triton.jit
 def _merge_topk_kernel(Val, Idx, Max, Sum, OutVal, OutIdx, num_chunks, k,
-                       CHUNKS: tl.constexpr, CAND: tl.constexpr, K: tl.constexpr):
+                       CHUNKS: tl.constexpr, CAND: tl.constexpr, K: tl.constexpr, BITONIC: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS)
     c_ok = c < num_chunks
@@ -131,7 +143,7 @@ def _merge_topk_kernel(Val, Idx, Max, Sum, OutVal, OutIdx, num_chunks, k,
     v = tl.load(Val + row * num_chunks * K + j, mask=j_ok, other=float("-inf"))
     ix = tl.load(Idx + row * num_chunks * K + j, mask=j_ok, other=-1)
     ks = tl.arange(0, K)
-    best_v, out_i = _from_key(_best_keys(tl.where(j_ok & (ix >= 0), _order_key(v, ix), _NONE), K))
+    best_v, out_i = _from_key(_best_keys(tl.where(j_ok & (ix >= 0), _order_key(v, ix), _NONE), K, BITONIC))
     # (logit - max) - log(sum): log_softmax's order of operations, exact at any magnitude of max
     out_v = tl.where(out_i >= 0, (best_v - top_safe) - log_total, float("-inf"))
     keep = ks < k
@@ -141,14 +153,14 @@ def _merge_topk_kernel(Val, Idx, Max, Sum, OutVal, OutIdx, num_chunks, k,
 
 @triton.jit
 def _best_of_rows_kernel(Parent, Top, Ids, OutScore, OutId, OutRow, n, k, width,
-                         CAND: tl.constexpr, WIDTH: tl.constexpr):
+                         CAND: tl.constexpr, WIDTH: tl.constexpr, BITONIC: tl.constexpr):
     b = tl.program_id(0)
     j = tl.arange(0, CAND)
     ok = j < n * k
     row = j // k
     v = tl.load(Parent + b * n + row, mask=ok, other=0.0) + tl.load(Top + b * n * k + j, mask=ok, other=0.0)
     ws = tl.arange(0, WIDTH)
-    out_v, out_j = _from_key(_best_keys(tl.where(ok, _order_key(v, j), _NONE), WIDTH))
+    out_v, out_j = _from_key(_best_keys(tl.where(ok, _order_key(v, j), _NONE), WIDTH, BITONIC))
     out_j = tl.maximum(out_j, 0)
     keep = ws < width
     tl.store(OutScore + b * width + ws, out_v, mask=keep)
@@ -156,10 +168,16 @@ def _best_of_rows_kernel(Parent, Top, Ids, OutScore, OutId, OutRow, n, k, width,
     tl.store(OutRow + b * width + ws, (out_j // k).to(tl.int64), mask=keep)
 
 
+def _bitonic(kernel) -> bool:
+    """Whether ``kernel``'s selections run the bitonic network: always on a GPU, in the
+    interpreter only when asked (a test does, at small shapes)."""
+    return INTERPRETER_BITONIC if interpreting(kernel) else True
+
+
 def chunk_size(vocab: int) -> int:
     """Logits per first-stage program: whole rows up to 2K, else 2K-wide chunks (many programs
     for few rows; the interpreter, which pays per operation, takes whole rows up to 16K)."""
-    limit = 16384 if interpreting(_chunk_topk_kernel) else CHUNK_LOGITS
+    limit = INTERPRETER_CHUNK if interpreting(_chunk_topk_kernel) else CHUNK_LOGITS
     return min(next_pow2(vocab), limit)
 
 
@@ -182,11 +200,12 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     mx = torch.empty(R, num_chunks, dtype=torch.float32, device=dev)
     sm = torch.empty(R, num_chunks, dtype=torch.float32, device=dev)
     _chunk_topk_kernel[(R, num_chunks)](rows, rows.stride(0), vocab, val, idx, mx, sm, num_chunks,
-                                        CHUNK=chunk, K=K, num_warps=CHUNK_WARPS)
+                                        CHUNK=chunk, K=K, BITONIC=_bitonic(_chunk_topk_kernel), num_warps=CHUNK_WARPS)
     out_v = torch.empty(R, k, dtype=torch.float32, device=dev)
     out_i = torch.empty(R, k, dtype=torch.int64, device=dev)
     _merge_topk_kernel[(R,)](val, idx, mx, sm, out_v, out_i, num_chunks, k, CHUNKS=next_pow2(num_chunks),
-                             CAND=next_pow2(num_chunks * K), K=K, num_warps=MERGE_WARPS)
+                             CAND=next_pow2(num_chunks * K), K=K, BITONIC=_bitonic(_merge_topk_kernel),
+                             num_warps=MERGE_WARPS)
     return out_v.view(*lead, k), out_i.view(*lead, k)
 
 
@@ -219,7 +238,9 @@ def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tens
     token = torch.empty(B, width, dtype=ids.dtype, device=top.device)
     row = torch.empty(B, width, dtype=torch.int64, device=top.device)
     _best_of_rows_kernel[(B,)](parent_scores.contiguous(), top.contiguous(), ids.contiguous(), score, token, row,
-                               n, k, width, CAND=next_pow2(n * k), WIDTH=next_pow2(width), num_warps=PICK_WARPS)
+                               n, k, width, CAND=next_pow2(n * k), WIDTH=next_pow2(width),
+                               BITONIC=_bitonic(_best_of_rows_kernel),
+                               num_warps=PICK_WARPS)
     return score, token, row
 
 
@@ -230,16 +251,17 @@ def _cut_beam_kernel(Scores, Tokens, Parents, Depths, OutInts, OutScores, num_no
     i = tl.arange(0, BLOCK_P)
     ok = i < num_nodes
     s = tl.load(Scores + b * stride_s + i, mask=ok, other=float("-inf"))
-    # node j is ahead of node i: a higher score, or an equal one and an earlier node (one key each)
-    key = _order_key(s, i)
-    ahead = (key[None, :] > key[:, None]) & ok[None, :]
-    keep = ok & (tl.sum(ahead.to(tl.int32), axis=1) < n)
+    # a node ranks ahead with a higher score, or an equal one and an earlier index (one key each);
+    # the keys are distinct, so the n-th of them sorted is the last one kept
+    key = tl.where(ok, _order_key(s, i), _NONE)
+    nth = tl.max(tl.where(i == n - 1, tl.sort(key, descending=True), _NONE), axis=0)
+    keep = ok & (key >= nth)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # a kept node's index in creation order
     par = tl.load(Parents + b * stride_p + i, mask=ok, other=-1).to(tl.int32)
-    # the parent's new index (pos + 1 summed over the one kept node that is the parent, minus 1),
-    # -1 where it was cut; a root's -1 stays
-    of_parent = (i[None, :] == par[:, None]) & keep[None, :]
-    new_par = tl.where(par >= 0, tl.sum(tl.where(of_parent, pos[None, :] + 1, 0), axis=1) - 1, par)
+    # the parent's new index, -1 where it was cut; a root's -1 stays
+    at = tl.maximum(par, 0)
+    par_kept = tl.gather(keep.to(tl.int32), at, 0) != 0
+    new_par = tl.where(par >= 0, tl.where(par_kept, tl.gather(pos, at, 0), -1), par)
     broken = tl.max((keep & (par >= 0) & (new_par < 0)).to(tl.int32), axis=0)
     row = OutInts + b * stride_i
     tl.store(row + pos, tl.load(Tokens + b * stride_t + i, mask=keep).to(tl.int64), mask=keep)
@@ -249,7 +271,7 @@ def _cut_beam_kernel(Scores, Tokens, Parents, Depths, OutInts, OutScores, num_no
     tl.store(OutScores + b * stride_o + pos, s, mask=keep)
 
 
-MAX_CUT_NODES = 1024  # cut_beam's nodes, compared all against all in one program
+MAX_CUT_NODES = 1024  # cut_beam's nodes, sorted in one program
 
 
 def cut_beam(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n: int

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .merge import merge_split_states
 from .triton_common import LOG2_E, check_head_dim, interpreting, next_pow2, upcast_dots
 
 BLOCK_M = 16  # query rows (tokens x folded heads) a program
@@ -64,6 +65,10 @@ def key_tiles(device: torch.device, block_d: int, itemsize: int) -> tuple[int, i
 
 
 MAX_NEW_ROWS = 64  # masked_attention_into's new rows, held as one tile
+# masked_attention_into's programs a block of rows over the ring (one a 128-key tile of 512): on an
+# H200 a 16-row level 15.4 us with 1, 13.9 with 2, 12.2 with 4; the LongSpec step at 4K 0.994 ->
+# 0.980 ms (1 -> 4; 2: 0.989)
+RING_SPLITS = 4
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 goes through the twin
 
 
@@ -96,8 +101,8 @@ def _masked_attention_kernel(
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mt, stride_ms,
-    stride_ob, stride_ot, stride_oh,
-    stride_lb, stride_lt, stride_lh,
+    stride_ob, stride_ot, stride_oh, stride_os,  # stride_os, stride_ls: a ring split's partial state
+    stride_lb, stride_lt, stride_lh, stride_ls,
     stride_nkb, stride_nkt, stride_nkh,
     stride_nvb, stride_nvt, stride_nvh,
     stride_m2b, stride_m2t, stride_m2s,
@@ -106,6 +111,7 @@ def _masked_attention_kernel(
     num_keys,  # S (SEGMENTS: the buffer's columns before the new rows, the first new row's column)
     num_kv_heads,
     mask_split,  # SEGMENTS: columns below it read Mask, the rest Mask2 (at column - mask_split)
+    ring_chunk,  # SPLITS: the ring's columns a split walks, a multiple of BLOCK_N
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -116,9 +122,12 @@ def _masked_attention_kernel(
     STORE_LSE: tl.constexpr,
     SEGMENTS: tl.constexpr,
     BLOCK_T: tl.constexpr,  # SEGMENTS: the new rows, padded to a power of two
+    SPLITS: tl.constexpr,  # SEGMENTS: the ring's columns cut among this many programs a row block
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)  # SPLITS > 1: the last split also walks the tree and the new rows
+    last = pid_s == SPLITS - 1
     b = (pid_bh // num_kv_heads).to(tl.int64)
     kv_head = pid_bh % num_kv_heads
 
@@ -140,9 +149,11 @@ def _masked_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if SEGMENTS:  # the ring's columns: one mask row shared by every query row, loaded once a tile
         ring = Mask + b * stride_mb
-        for start in range(0, mask_split, BLOCK_N):
+        ring_lo = pid_s * ring_chunk
+        ring_hi = tl.minimum(ring_lo + ring_chunk, mask_split)
+        for start in range(ring_lo, ring_hi, BLOCK_N):
             s_idx = start + tl.arange(0, BLOCK_N)
-            s_ok = s_idx < mask_split
+            s_ok = s_idx < ring_hi
             kv_ok = s_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + s_idx[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
             v = tl.load(v_base + s_idx[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
@@ -156,7 +167,11 @@ def _masked_attention_kernel(
         first = 0
         rows = Mask + b * stride_mb + t[:, None] * stride_mt
         col_stride = stride_ms
-    for start in range(first, num_keys, BLOCK_N):
+    if SPLITS > 1:
+        tree_end = tl.where(last, num_keys, first)  # the tree's columns: the last split's
+    else:
+        tree_end = num_keys
+    for start in range(first, tree_end, BLOCK_N):
         s_idx = start + tl.arange(0, BLOCK_N)
         s_ok = s_idx < num_keys
         kv_ok = s_ok[:, None] & d_ok[None, :]
@@ -173,19 +188,19 @@ def _masked_attention_kernel(
         k = tl.load(nk_base + j[:, None] * stride_nkt + d[None, :], mask=jd_ok, other=0.0)
         v = tl.load(nv_base + j[:, None] * stride_nvt + d[None, :], mask=jd_ok, other=0.0)
         visible = tl.load(rows + (num_keys - first + j)[None, :] * col_stride,
-                          mask=row_ok[:, None] & j_ok[None, :], other=0)
+                          mask=row_ok[:, None] & j_ok[None, :] & last, other=0)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
-        if pid_m == 0:  # one program a KV head writes; none reads these columns from the buffer
+        if (pid_m == 0) & last:  # one program a KV head writes; none reads these columns from the buffer
             tl.store(k_base + (num_keys + j)[:, None] * stride_ks + d[None, :], k, mask=jd_ok)
             tl.store(v_base + (num_keys + j)[:, None] * stride_vs + d[None, :], v, mask=jd_ok)
 
     has_key = l_i > 0.0
     o = acc / tl.where(has_key, l_i, 1.0)[:, None]  # a row with no visible key: acc = 0, o = 0
-    tl.store(O + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+    tl.store(O + b * stride_ob + pid_s * stride_os + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if STORE_LSE:  # base 2; -inf (no contribution to a merge) for a row with no visible key
         lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
-        tl.store(Lse + b * stride_lb + t * stride_lt + head * stride_lh, lse, mask=row_ok)
+        tl.store(Lse + b * stride_lb + pid_s * stride_ls + t * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
 def _tiles(q: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int]:
@@ -221,18 +236,25 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor | None, scale: float, block_m: int, block_n: int, num_warps: int, num_stages: int,
-           segments: Segments | None = None) -> None:
+           segments: Segments | None = None, splits: int = 1, ring_chunk: int = 0) -> None:
     """The kernel on checked operands (``q``/``out`` ``[B, T, H, D]``, ``keys``/``values``
     ``[B, Hkv, S, D]``, ``mask`` ``[B, T, S]`` bool or uint8, ``lse`` float32 ``[B, T, H]`` or
     None; any strides with a contiguous last dimension) and the caller's tiles: the tree half of
     hybrid attention (:mod:`.tree_attention`, its keys the draft tokens themselves) runs it too.
     ``segments``: :func:`masked_attention_into`'s new rows and split mask (``keys``/``values`` are
-    then the whole buffers and ``mask`` the first piece)."""
+    then the whole buffers and ``mask`` the first piece). ``splits`` > 1 (with ``segments``): the
+    ring's columns cut into chunks of ``ring_chunk``, one program each, ``out`` and ``lse`` then
+    ``[splits, B, T, H, D]`` and ``[splits, B, T, H]``, one partial state a split."""
     B, T, H, D = q.shape
     Hkv = keys.shape[1]
     upcast = upcast_dots(_masked_attention_kernel)
     mask_u8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    if splits > 1:  # the split's stride first
+        out_strides = (out.stride(1), out.stride(2), out.stride(3), out.stride(0))
+        lse_strides = (lse.stride(1), lse.stride(2), lse.stride(3), lse.stride(0))
+    else:
+        out_strides = (*out.stride()[:3], 0)
+        lse_strides = (*lse.stride(), 0) if lse is not None else (0, 0, 0, 0)
     if segments is None:
         S, split, new_k, new_v, mask2 = keys.shape[2], 0, keys, values, mask_u8
         new_strides = (0,) * 9
@@ -241,19 +263,18 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         mask2 = mask2.view(torch.uint8)
         new_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(2), new_v.stride(0), new_v.stride(1),
                        new_v.stride(2), *mask2.stride())
-    grid = (triton.cdiv(T * (H // Hkv), block_m), B * Hkv)
+    grid = (triton.cdiv(T * (H // Hkv), block_m), B * Hkv, splits)
     _masked_attention_kernel[grid](
         q, keys, values, mask_u8, out, lse if lse is not None else out, new_k, new_v, mask2,
         q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        *lse_strides, *new_strides,
-        scale * LOG2_E, T, S, Hkv, split,
+        *out_strides, *lse_strides, *new_strides,
+        scale * LOG2_E, T, S, Hkv, split, ring_chunk if splits > 1 else split,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=upcast, PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
-        STORE_LSE=lse is not None, SEGMENTS=segments is not None, BLOCK_T=max(16, next_pow2(T)),
+        STORE_LSE=lse is not None, SEGMENTS=segments is not None, BLOCK_T=max(16, next_pow2(T)), SPLITS=splits,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -270,7 +291,7 @@ class Segments(NamedTuple):
 
 def masked_attention_into(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_k: torch.Tensor,
                           new_v: torch.Tensor, at: int, ring_mask: torch.Tensor, tree_mask: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, ring_splits: int | None = None) -> torch.Tensor:
     """The ``T`` rows' K/V ``new_k``/``new_v`` ``[B, T, Hkv, D]`` written into the buffers
     ``keys``/``values`` ``[B, Hkv, S_max, D]`` at columns ``at .. at + T``, then :func:`masked_attention`
     of ``q`` ``[B, T, H, D]`` over columns ``0 .. at + T`` under the mask ``[ring_mask, tree_mask]``:
@@ -286,7 +307,13 @@ def masked_attention_into(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     no program reads a column another writes. The three walks, rather than one whose tiles pick
     each column's source, keep one load an operand a pipeline stage: picking per column (a pointer
     chosen by column, the new rows stored from the tile) took 37 us a call at 16 rows on an H200,
-    the three walks 15, the split kernels' one walk 12 plus the launches this one saves."""
+    the three walks 15, the split kernels' one walk 12 plus the launches this one saves.
+
+    ``ring_splits`` (default :data:`RING_SPLITS`, at most one a key tile of the ring): the ring's
+    columns cut among that many programs a block of rows, the last of them also walking the tree
+    and the new rows, their partial states merged by log-sum-exp (:func:`.merge.merge_split_states`)
+    in a second launch. A level's few rows leave most of the GPU idle (32 programs for 16 rows of
+    32 heads over 8 KV heads), each walking the whole ring in turn."""
     _check_qkv(q, keys, values)
     for x in (new_k, new_v, ring_mask, tree_mask):
         if x.device != q.device:
@@ -313,8 +340,20 @@ def masked_attention_into(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     if out.numel() == 0:
         return out.flatten(-2)
     block_m, block_n, stages = _tiles(q, keys)
-    launch(q, keys, values, ring_mask[:, None, :].expand(B, T, W), out, None, scale, block_m, block_n, 4, stages,
-           Segments(new_k, new_v, at, tree_mask, W))
+    tiles = triton.cdiv(W, block_n)
+    splits = max(1, min(RING_SPLITS if ring_splits is None else ring_splits, tiles))
+    segments = Segments(new_k, new_v, at, tree_mask, W)
+    ring = ring_mask[:, None, :].expand(B, T, W)
+    if splits == 1:
+        launch(q, keys, values, ring, out, None, scale, block_m, block_n, 4, stages, segments)
+        return out.flatten(-2)
+    chunk = triton.cdiv(tiles, splits) * block_n
+    splits = triton.cdiv(W, chunk)  # none empty
+    part_o = torch.empty(splits, B, T, H, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(splits, B, T, H, dtype=torch.float32, device=q.device)
+    launch(q, keys, values, ring, part_o, part_lse, scale, block_m, block_n, 4, stages, segments, splits, chunk)
+    merge_split_states(part_o.permute(1, 2, 3, 0, 4).flatten(0, 1), part_lse.permute(1, 2, 3, 0).flatten(0, 1),
+                       out=out.view(B * T, H, D))
     return out.flatten(-2)
 
 

@@ -76,6 +76,32 @@ def test_the_order_holds_across_signs_zeros_and_extremes():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("bitonic", [False, True])
+def test_both_selections_are_the_twin(bitonic, monkeypatch):
+    """The repeated max (the interpreter's) and Triton's bitonic top-k (a GPU's) select the same
+    keys: ties over chunks and rows, masked tokens, the level's pick (small shapes: the
+    interpreter pays for every compare-exchange of the bitonic network)."""
+    from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
+    from sgl_longgen.kernels import longspec_topk
+    from sgl_longgen.kernels.longspec_topk import best_of_rows
+
+    monkeypatch.setattr(longspec_topk, "INTERPRETER_BITONIC", bitonic)
+    monkeypatch.setattr(longspec_topk, "CHUNK_LOGITS", 128)  # several chunks a row, compiled or interpreted
+    monkeypatch.setattr(longspec_topk, "INTERPRETER_CHUNK", 128)
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(3, 300, generator=g) * 2).round()  # many ties
+    logits[2, ::3] = float("-inf")
+    logits = logits.to(DEVICE)
+    val, idx = longspec_topk.log_softmax_topk(logits, 16)
+    want_val, want_idx = log_softmax_topk_reference(logits, 16)
+    assert torch.equal(idx, want_idx) and torch.allclose(val, want_val, atol=1e-5, rtol=1e-5)
+    top = (torch.randn(2, 4, 8, generator=g) * 2).round().to(DEVICE)
+    parents = torch.tensor([[0.0, -1.0, 0.0, -2.0], [-1.0, -1.0, 0.0, 0.0]], device=DEVICE)
+    ids = torch.arange(64, device=DEVICE).view(2, 4, 8)
+    got, want = best_of_rows(parents, top, ids, 16), torch_best_of_rows(parents, top, ids, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_k_past_the_unrolled_limit_is_refused():
     with pytest.raises(ValueError, match="k must be in"):
         log_softmax_topk(torch.zeros(1, 100, device=DEVICE), 65)

@@ -128,6 +128,24 @@ def test_writing_into_the_buffer_and_attending_is_its_twin(B, Hkv, group, W, lo,
     assert torch.equal(keys[:, :, at : at + T], new_k.transpose(1, 2))
 
 
+@pytest.mark.parametrize("ring_splits", [1, 2, 3, 16])
+def test_a_ring_cut_among_programs_is_the_ring_walked_whole(ring_splits):
+    """The ring's columns cut among programs (partial states merged by log-sum-exp) give the
+    twin's attention and write the rows once, also where a whole split sees nothing (its first
+    half hidden from every row) and where more splits are asked for than the ring has tiles."""
+    q, keys, values, new_k, new_v, at, ring, tree, scale = level_inputs(2, 2, 4, 300, 12, 8, 32, torch.float32, 5)
+    ring[0, :160] = False
+    k2, v2 = keys.clone(), values.clone()
+    out = masked_attention_into(q, keys, values, new_k, new_v, at, ring, tree, scale, ring_splits=ring_splits)
+    want = masked_attention_into_reference(q, k2, v2, new_k, new_v, at, ring, tree, scale)
+    assert close(out, want, torch.float32), (out - want).abs().max()
+    assert torch.equal(keys, k2) and torch.equal(values, v2)
+    wrong = ring.clone()
+    wrong[1, (~wrong[1]).nonzero()[0, 0]] = True  # one hidden ring key, in the first split, made visible
+    bad = masked_attention_into_reference(q, keys.clone(), values.clone(), new_k, new_v, at, wrong, tree, scale)
+    assert (out - bad).abs().max() > 100 * TOL[torch.float32]
+
+
 def test_the_next_level_reads_the_rows_the_last_one_wrote():
     """Two levels in a row: the second's keys before ``at`` include the first's rows, written by the
     first call (the twin does the same through its own writes)."""
