@@ -64,14 +64,15 @@ _NONE = tl.constexpr(-9223372036854775808)  # below every key: a dead or missing
 
 
 @triton.jit
-def _order_key(x, idx):
+def _order_key(x, idx, ok):
     """One int64 per element whose order is the selection's: the float32 value in the high half
     (its bits mapped so signed integers order as the floats do, -0.0 made +0.0 so the two tie as
-    floats do), ``2^31 - 1 - idx`` in the low half (equal values: the lower index is larger). A
-    selection is then one max reduction where comparing values, then indices, took two."""
+    floats do), ``2^31 - 1 - idx`` in the low half (equal values: the lower index is larger);
+    ``_NONE`` where not ``ok``. A selection is then one max reduction where comparing values, then
+    indices, took two."""
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64)
+    return tl.where(ok, (ordered.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64), _NONE)
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def _chunk_topk_kernel(Logits, stride_row, vocab, Val, Idx, Max, Sum, num_chunks
     tl.store(Sum + part, s)
 
     ks = tl.arange(0, K)
-    vals, idxs = _from_key(_best_keys(tl.where(ok, _order_key(x, offs), _NONE), K, BITONIC))
+    vals, idxs = _from_key(_best_keys(_order_key(x, offs, ok), K, BITONIC))
     tl.store(Val + part * K + ks, vals)
     tl.store(Idx + part * K + ks, idxs)
 
@@ -143,7 +144,7 @@ def _merge_topk_kernel(Val, Idx, Max, Sum, OutVal, OutIdx, num_chunks, k,
     v = tl.load(Val + row * num_chunks * K + j, mask=j_ok, other=float("-inf"))
     ix = tl.load(Idx + row * num_chunks * K + j, mask=j_ok, other=-1)
     ks = tl.arange(0, K)
-    best_v, out_i = _from_key(_best_keys(tl.where(j_ok & (ix >= 0), _order_key(v, ix), _NONE), K, BITONIC))
+    best_v, out_i = _from_key(_best_keys(_order_key(v, ix, j_ok & (ix >= 0)), K, BITONIC))
     # (logit - max) - log(sum): log_softmax's order of operations, exact at any magnitude of max
     out_v = tl.where(out_i >= 0, (best_v - top_safe) - log_total, float("-inf"))
     keep = ks < k
@@ -160,7 +161,7 @@ def _best_of_rows_kernel(Parent, Top, Ids, OutScore, OutId, OutRow, n, k, width,
     row = j // k
     v = tl.load(Parent + b * n + row, mask=ok, other=0.0) + tl.load(Top + b * n * k + j, mask=ok, other=0.0)
     ws = tl.arange(0, WIDTH)
-    out_v, out_j = _from_key(_best_keys(tl.where(ok, _order_key(v, j), _NONE), WIDTH, BITONIC))
+    out_v, out_j = _from_key(_best_keys(_order_key(v, j, ok), WIDTH, BITONIC))
     out_j = tl.maximum(out_j, 0)
     keep = ws < width
     tl.store(OutScore + b * width + ws, out_v, mask=keep)
@@ -200,7 +201,8 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     mx = torch.empty(R, num_chunks, dtype=torch.float32, device=dev)
     sm = torch.empty(R, num_chunks, dtype=torch.float32, device=dev)
     _chunk_topk_kernel[(R, num_chunks)](rows, rows.stride(0), vocab, val, idx, mx, sm, num_chunks,
-                                        CHUNK=chunk, K=K, BITONIC=_bitonic(_chunk_topk_kernel), num_warps=CHUNK_WARPS)
+                                        CHUNK=chunk, K=K, BITONIC=_bitonic(_chunk_topk_kernel),
+                                        num_warps=CHUNK_WARPS)
     out_v = torch.empty(R, k, dtype=torch.float32, device=dev)
     out_i = torch.empty(R, k, dtype=torch.int64, device=dev)
     _merge_topk_kernel[(R,)](val, idx, mx, sm, out_v, out_i, num_chunks, k, CHUNKS=next_pow2(num_chunks),
@@ -239,8 +241,7 @@ def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tens
     row = torch.empty(B, width, dtype=torch.int64, device=top.device)
     _best_of_rows_kernel[(B,)](parent_scores.contiguous(), top.contiguous(), ids.contiguous(), score, token, row,
                                n, k, width, CAND=next_pow2(n * k), WIDTH=next_pow2(width),
-                               BITONIC=_bitonic(_best_of_rows_kernel),
-                               num_warps=PICK_WARPS)
+                               BITONIC=_bitonic(_best_of_rows_kernel), num_warps=PICK_WARPS)
     return score, token, row
 
 
@@ -253,7 +254,7 @@ def _cut_beam_kernel(Scores, Tokens, Parents, Depths, OutInts, OutScores, num_no
     s = tl.load(Scores + b * stride_s + i, mask=ok, other=float("-inf"))
     # a node ranks ahead with a higher score, or an equal one and an earlier index (one key each);
     # the keys are distinct, so the n-th of them sorted is the last one kept
-    key = tl.where(ok, _order_key(s, i), _NONE)
+    key = _order_key(s, i, ok)
     nth = tl.max(tl.where(i == n - 1, tl.sort(key, descending=True), _NONE), axis=0)
     keep = ok & (key >= nth)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # a kept node's index in creation order

@@ -167,7 +167,7 @@ def _masked_attention_kernel(
         first = 0
         rows = Mask + b * stride_mb + t[:, None] * stride_mt
         col_stride = stride_ms
-    if SPLITS > 1:
+    if SPLITS > 1:  # (one split: the loop's bound as it was, no select on the verify path's tree half)
         tree_end = tl.where(last, num_keys, first)  # the tree's columns: the last split's
     else:
         tree_end = num_keys
