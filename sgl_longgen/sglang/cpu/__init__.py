@@ -4,8 +4,11 @@ SGLang runs on a machine without a GPU with ``SGLANG_USE_CPU_ENGINE=1``, but its
 CPU ops from ``sgl_kernel`` at import time and the PyPI wheel is CUDA-only (it needs libcuda).
 Where that import fails, :func:`install_stand_in` puts an import stand-in in its place
 (``stand_in/sgl_kernel``: every op resolves to a placeholder that raises if called), in this
-process and, through ``PYTHONPATH``, in the processes SGLang spawns. The three ops a speculative
-run calls get PyTorch stand-ins (:mod:`.ops`), installed as hooks by the plugin.
+process and, through ``PYTHONPATH``, in the processes SGLang spawns. It runs at SGLang's first
+import in every process started with ``SGLANG_USE_CPU_ENGINE`` set (:mod:`.import_hook`, through the
+``.pth`` file the package installs: a user's own program needs no set-up), and again when the
+plugin installs. The three ops a speculative run calls get PyTorch stand-ins (:mod:`.ops`),
+installed as hooks by the plugin.
 """
 
 from __future__ import annotations
