@@ -35,7 +35,7 @@ what differs in a serving engine:
   graph, see :mod:`.width_graphs`), the draws and commit of every other step, no draft forward;
   the worker may queue a run of them in one call (one token each), priced per token.
 
-Per request, ``custom_params``:
+Per request, ``custom_params`` (parsed at admission, :mod:`.request_settings`):
 
 * ``longgen_speculation``: ``"auto"`` (the controller decides), ``"on"`` (always speculate, as
   without adaptive speculation), ``"off"`` (never: one exact token per step). The server's
@@ -73,9 +73,8 @@ from ..core.adaptive import (
     batch_width,
     decide_batch,
 )
+from .request_settings import AUTO, OFF, ON
 
-AUTO, ON, OFF = "auto", "on", "off"
-MODES = (AUTO, ON, OFF)
 SPECULATION_OFF = "speculation off (longgen_speculation)"
 # A cycle this many times the shape's known cost is not a step's price (the server idled).
 OUTLIER = 20.0
@@ -90,24 +89,6 @@ def server_config(defaults: AdaptiveConfig) -> AdaptiveConfig:
     if value not in ("0", "1"):
         raise ValueError(f"{env.name('ADAPTIVE')} must be 0 or 1, got {value!r}")
     return msgspec.structs.replace(defaults, enabled=value == "1")
-
-
-def request_mode(req, default: str) -> str:
-    params = req.sampling_params.custom_params or {}
-    mode = params.get("longgen_speculation", default)
-    if mode not in MODES:
-        raise ValueError(f"request {req.rid}: longgen_speculation must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
-
-
-def check_width(width) -> int | None:
-    """A request's ``longgen_width`` (None: not set)."""
-    if width is None:
-        return None
-    if isinstance(width, bool) or not isinstance(width, int) or width < 2:
-        raise ValueError(f"custom_params.longgen_width must be an integer of at least 2 (trie nodes, the root "
-                         f"included), got {width!r}")
-    return width
 
 
 def widest(widths) -> int | None:
@@ -165,12 +146,11 @@ class AdaptiveSteps:
     def state(self, step) -> RequestAdaptive:
         rs = step.state
         if rs.adaptive is None:
-            mode = request_mode(step.req, self.default)
-            params = step.req.sampling_params.custom_params or {}
+            settings = step.settings
+            mode = settings.speculation or self.default
             prior = self.priors[step.sampling.greedy]
             rs.adaptive = RequestAdaptive(mode, AdaptiveController(self.config, prior=prior) if mode == AUTO else None,
-                                          bool(params.get("longgen_report", False)),
-                                          check_width(params.get("longgen_width")))
+                                          settings.report, settings.width)
         return rs.adaptive
 
     # -- the step's kind ---------------------------------------------------------------------

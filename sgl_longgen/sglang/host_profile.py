@@ -16,9 +16,10 @@ from __future__ import annotations
 import cProfile
 
 from .. import env
+from .request_settings import HOST_PROFILE_PARAM as PROFILE_PARAM  # noqa: F401 - the request's key
+from .request_settings import settings_of
 
 PROFILE_ENV = env.name("HOST_PROFILE")
-PROFILE_PARAM = "longgen_host_profile"
 DUMP_EVERY = 16
 
 
@@ -35,7 +36,7 @@ class HostProfile:
         return cls(path) if path else None
 
     def wants(self, reqs) -> bool:
-        return any((r.sampling_params.custom_params or {}).get(PROFILE_PARAM) for r in reqs)
+        return any(settings_of(r).host_profile for r in reqs)
 
     def run(self, fn, *args):
         """One profiled step; the profiler keeps running until the next step starts."""

@@ -9,11 +9,14 @@ same distribution by passing this processor with the same ``custom_params``
     engine.generate(..., custom_logit_processor=ContextualPenaltyProcessor.to_str(),
                     sampling_params={..., "custom_params": {"penalty": 1.2, "penalty_window": 64}})
 
-A TOKENSWIFT server recognises the processor and applies the penalty along draft paths.
+A TOKENSWIFT server recognises the processor and applies the penalty along draft paths. On
+every server with the plugin, the two keys of a request that sends this processor are checked
+when it is admitted (:mod:`.request_settings`): the processor only reads them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,14 +24,26 @@ from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from ..core.penalty import apply_penalty, window_mask, window_tokens
 
+DEFAULT_WINDOW = 1024  # the processor's window where a request gives a penalty but no window
+
+
+def _row_penalty(params: dict[str, Any]) -> tuple[float, int]:
+    """A row's ``(theta, window)`` as admission checked them (no penalty where unset)."""
+    theta, window = params.get("penalty"), params.get("penalty_window")
+    theta = 1.0 if theta is None else theta
+    window = DEFAULT_WINDOW if window is None else window
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) \
+            or isinstance(window, bool) or not isinstance(window, int):
+        return 1.0, 0  # not admitted by a tokenizer manager with the plugin: no penalty rather than a crash
+    return theta, window
+
 
 class ContextualPenaltyProcessor(CustomLogitProcessor):
     def __call__(self, logits: torch.Tensor, custom_param_list: list[dict[str, Any]] | None = None) -> torch.Tensor:
         for row, params in enumerate(custom_param_list or []):
             if not params:
                 continue
-            theta = float(params.get("penalty", 1.0))
-            window = int(params.get("penalty_window", 1024))
+            theta, window = _row_penalty(params)
             req = params.get("__req__")
             if theta <= 1.0 or window <= 0 or req is None:
                 continue

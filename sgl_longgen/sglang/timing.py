@@ -1,7 +1,8 @@
 """Opt-in timing of a speculative step, reported per request in ``meta_info``.
 
 Off unless a request asks: ``"custom_params": {"longgen_timing": "host"}`` (or ``"sync"``, or
-true for ``"sync"``). A step that serves such a request records, for that request only,
+true for ``"sync"``; parsed at admission, :mod:`.request_settings`). A step that serves such a
+request records, for that request only,
 
 * ``longgen_draft_ms`` / ``longgen_verify_ms`` / ``longgen_overhead_ms``: the step's three
   phases (the verify phase ends when its draws are on the host);
@@ -28,20 +29,12 @@ import time
 
 import torch
 
-TIMING_PARAM = "longgen_timing"
-STEPS_PARAM = "longgen_timing_steps"
-DEFAULT_STEPS = 4096
+from .request_settings import DEFAULT_TIMING_STEPS as DEFAULT_STEPS  # noqa: F401 - the request's keys
+from .request_settings import TIMING_PARAM  # noqa: F401
+from .request_settings import TIMING_STEPS_PARAM as STEPS_PARAM  # noqa: F401
+from .request_settings import settings_of
+
 PHASES = ("draft", "verify", "overhead")
-
-
-def timing_mode(value) -> str | None:
-    """``"sync"``, ``"host"`` or None (off) from a request's setting."""
-    if value is None or value is False:
-        return None
-    text = str(value).strip().lower()
-    if text == "host":
-        return "host"
-    return "sync" if text in ("1", "true", "yes", "on", "sync") else None
 
 
 class StepClock:
@@ -68,9 +61,9 @@ class StepClock:
         """A new step: timed if one of its requests asked (and has steps left to record)."""
         self._timed, mode = [], None
         for req in reqs:
-            params = req.sampling_params.custom_params or {}
-            want = timing_mode(params.get(TIMING_PARAM))
-            if want is None or self._recorded.get(req.rid, 0) >= int(params.get(STEPS_PARAM, DEFAULT_STEPS)):
+            settings = settings_of(req)
+            want = settings.timing
+            if want is None or self._recorded.get(req.rid, 0) >= settings.timing_steps:
                 continue
             self._timed.append(req)
             mode = "sync" if "sync" in (mode, want) else want

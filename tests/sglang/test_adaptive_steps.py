@@ -9,7 +9,7 @@ import pytest
 from sgl_longgen.config import AdaptiveConfig
 from sgl_longgen.core.adaptive import PLAIN, SPECULATE
 from sgl_longgen.sglang.adaptive import SPECULATION_OFF, AdaptiveSteps
-from sgl_longgen.sglang.validation import check_custom_params
+from sgl_longgen.sglang.request_settings import parse_custom_params
 
 
 class Request:
@@ -18,10 +18,11 @@ class Request:
         self.state = SimpleNamespace(adaptive=None)
         self.rid = rid
         self.sampling = SimpleNamespace(greedy=greedy)
+        self.settings = parse_custom_params(custom)  # as admission parses them
 
     def step(self, seq_len: int = 100):
         return SimpleNamespace(rid=self.rid, req=self.req, state=self.state, seq_len=seq_len, blocker=None,
-                               sampling=self.sampling)
+                               sampling=self.sampling, settings=self.settings)
 
 
 def run(planner: AdaptiveSteps, reqs, kinds_committed, clock):
@@ -204,10 +205,9 @@ def test_a_new_requests_first_probe_is_priced_with_its_methods_set_up(clock):
 
 
 def test_bad_overrides_are_refused_before_the_scheduler():
-    check_custom_params({"custom_params": {"longgen_speculation": "auto"}})
-    check_custom_params([{"max_new_tokens": 3}, None])
+    assert parse_custom_params({"longgen_speculation": "auto"}).speculation == "auto"
     with pytest.raises(ValueError, match="longgen_speculation"):
-        check_custom_params([{}, {"custom_params": {"longgen_speculation": "sometimes"}}])
+        parse_custom_params({"longgen_speculation": "sometimes"})
 
 
 def test_a_methods_hint_turns_plain_steps_speculative_and_is_reported(clock):
@@ -324,7 +324,7 @@ def test_a_width_the_drafter_drafts_whole_is_the_full_draft(clock):
 
 
 def test_bad_widths_are_refused_before_the_scheduler():
-    check_custom_params({"custom_params": {"longgen_width": 4}})
+    assert parse_custom_params({"longgen_width": 4}).width == 4
     for bad in (1, 0, "4", 2.0, True):
         with pytest.raises(ValueError, match="longgen_width"):
-            check_custom_params({"custom_params": {"longgen_width": bad}})
+            parse_custom_params({"longgen_width": bad})

@@ -7,10 +7,13 @@ from types import SimpleNamespace
 
 from sgl_longgen.sglang import host_profile
 from sgl_longgen.sglang.host_profile import PROFILE_ENV, PROFILE_PARAM, HostProfile
+from sgl_longgen.sglang.request_settings import parse_custom_params, with_settings
 
 
 def req(params):
-    return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=params))
+    """A request as admission leaves it: its custom_params carry their parsed settings."""
+    return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=with_settings(params,
+                                                                                       parse_custom_params(params))))
 
 
 def test_off_unless_the_server_opts_in(monkeypatch):

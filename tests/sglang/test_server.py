@@ -121,3 +121,18 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_server_keeps_servi
     good = requests.post(f"{server}/generate", json={
         "text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}, timeout=300)
     assert good.status_code == 200 and good.json()["meta_info"]["completion_tokens"] == 16
+
+
+def test_bad_request_settings_are_refused_and_the_server_keeps_serving(server):
+    """A value the scheduler would meet inside a step (the contextual penalty's, say) is a 400 naming it."""
+    for params, named in (({"custom_params": {"penalty": "abc"}}, "custom_params.penalty"),
+                          ({"custom_params": {"longgen_typo": 1}}, "custom_params.longgen_typo"),
+                          ({"temperature": "hot"}, "sampling_params.temperature")):
+        body = {"input_ids": [256, 100, 101], "sampling_params": {"max_new_tokens": 4, **params}}
+        res = requests.post(f"{server}/generate", json=body, timeout=300)
+        assert res.status_code == 400, res.text
+        assert named in res.text
+    good = requests.post(f"{server}/generate", json={
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                            "custom_params": {"penalty": 1.2, "penalty_window": 16}}}, timeout=300)
+    assert good.status_code == 200 and good.json()["meta_info"]["completion_tokens"] == 8

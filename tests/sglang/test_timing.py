@@ -6,13 +6,17 @@ import gc
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from sgl_longgen.sglang.request_settings import parse_custom_params, with_settings
 from sgl_longgen.sglang.timing import STEPS_PARAM, TIMING_PARAM, StepClock
 
 
 def req(rid: str, params: dict | None = None, committed: int = 0):
-    return SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=params),
+    """A request as admission leaves it: its custom_params carry their parsed settings."""
+    custom = with_settings(params, parse_custom_params(params))
+    return SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=custom),
                            output_ids=[0] * committed, customized_info=None)
 
 
@@ -75,7 +79,9 @@ def test_steps_recorded_per_request_are_bounded():
     assert clock.active
 
 
-def test_unknown_settings_leave_timing_off():
+def test_unknown_settings_are_refused_at_admission_and_off_leaves_timing_off():
+    with pytest.raises(ValueError, match=TIMING_PARAM):
+        req("x", {TIMING_PARAM: "nonsense"})
     clock = StepClock(torch.device("cpu"))
-    clock.start([req("x", {TIMING_PARAM: "nonsense"})])
+    clock.start([req("x", {TIMING_PARAM: "off"}), req("y", {TIMING_PARAM: False})])
     assert not clock.active
