@@ -90,6 +90,8 @@ SYMBOLS: tuple[Need, ...] = (
     Need("sglang.srt.server_args.ATTENTION_BACKEND_CHOICES", "--attention-backend longgen / longgen_torch"),
     Need("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend", "the longgen_torch backend"),
     Need("sglang.srt.mem_cache.memory_pool.KVWriteLoc", "writing verify KV in our backends"),
+    Need("sglang.srt.mem_cache.allocation_sizing.get_alloc_reserve_per_decode",
+         "the KV slots reserved per request and step, which its slot-table row must hold"),
     Need("sglang.srt.utils.is_cpu", "the CPU engine's stand-ins"),
     Need("sglang.srt.plugins.hook_registry.HookRegistry", "installing the hooks below"),
     Need("sglang.srt.plugins.hook_registry.HookType", "installing the hooks below"),
@@ -129,8 +131,17 @@ HOOKS: dict[str, tuple[str, str, str]] = {
                         "the longgen backend where SGLang would pick FlashInfer"),
     "penalty": ("sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.adjusted_from_schedule_batch", "AFTER",
                 "the contextual penalty where SGLang samples by itself"),
-    "input_ids": ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "AFTER",
-                  "refusing token ids outside the vocabulary with a 400 instead of a scheduler crash"),
+    "input_ids": ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
+                  "refusing token ids outside the vocabulary and sampling fields the scheduler cannot hold "
+                  "with a 400 instead of a scheduler crash"),
+    "request_shape": ("sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", "BEFORE",
+                      "refusing a malformed sampling_params, n or input_ids with a 400 instead of a TypeError"),
+    "request_settings": ("sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object", "AFTER",
+                         "parsing our custom_params once, at admission, into the settings a request carries"),
+    "slot_rows": ("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len", "AFTER",
+                  "slot-table rows that hold SGLang's per-step KV reserve up to the end of the context"),
+    "stops": ("sglang.srt.managers.schedule_batch.Req.update_finish_state", "AROUND",
+              "a step of several tokens checked for stops and max_new_tokens after each token, as plain decoding does"),
 }
 
 CPU_HOOKS: dict[str, tuple[str, str, str]] = {
@@ -151,17 +162,26 @@ MEMBERS: dict[str, tuple[str, ...]] = {
         "rid", "origin_input_ids", "output_ids", "sampling_params", "grammar", "custom_logit_processor",
         "return_logprob", "customized_info", "req_pool_idx", "eos_token_ids", "tokenizer",
         # a run of plain steps counts each forward as SGLang's verify (spec_accept_length)
-        "spec_verify_ct", "spec_num_correct_drafts", "return_hidden_states"),
+        "spec_verify_ct", "spec_num_correct_drafts", "return_hidden_states",
+        # a step's stops checked per token (.stops)
+        "finished"),
     "sglang.srt.managers.schedule_batch.ScheduleBatch": (
         "reqs", "forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "req_to_token_pool", "req_pool_indices",
         "input_ids", "out_cache_loc", "spec_info", "sampling_info", "return_logprob"),
     "sglang.srt.sampling.sampling_params.SamplingParams": (
         "custom_params", "sampling_seed", "top_k", "temperature", "top_p", "min_p", "frequency_penalty",
         "presence_penalty", "repetition_penalty", "min_new_tokens", "max_new_tokens", "ignore_eos",
-        "stop_token_ids"),
+        "stop_token_ids", "logit_bias"),
+    # Admission (.validation): the request as the tokenizer manager hands it on.
+    "sglang.srt.managers.io_struct.TokenizedGenerateReqInput": ("sampling_params", "custom_logit_processor"),
+    "sglang.srt.managers.io_struct.GenerateReqInput": ("sampling_params", "input_ids"),
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo": (
         "apply_logits_bias", "has_custom_logit_processor", "logit_bias", "custom_logit_processor", "custom_params",
-        "device"),
+        "device", "grammar_mask"),
+    # Structured output along a draft tree (.grammar): a request's grammar object, walked and rolled back.
+    "sglang.srt.constrained.base_grammar_backend.BaseGrammarObject": (
+        "accept_token", "rollback", "is_terminated", "finished", "allocate_vocab_mask", "fill_vocab_mask",
+        "move_vocab_mask", "apply_vocab_mask"),
     "sglang.srt.managers.utils.GenerationBatchResult": (
         "logits_output", "next_token_ids", "accept_lens", "new_seq_lens", "next_draft_input",
         "speculative_num_draft_tokens", "can_run_cuda_graph"),
@@ -170,7 +190,8 @@ MEMBERS: dict[str, tuple[str, ...]] = {
     "sglang.srt.layers.vocab_parallel_embedding.ParallelLMHead": ("tp_size", "use_attn_tp_group", "weight"),
     "sglang.srt.distributed.parallel_state.GroupCoordinator": ("world_size", "all_gather", "all_reduce"),
     "sglang.srt.plugins.hook_registry.HookRegistry": ("register", "apply_hooks", "_patched"),
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager": ("model_config", "_subprocess_watchdog"),
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager": ("model_config", "_subprocess_watchdog", "server_args",
+                                                               "preferred_sampling_params", "sampling_params_class"),
     "sglang.srt.server_args.ServerArgs": ("return_hidden_states_mode", "attention_backend", "page_size",
                                           "speculative_num_draft_tokens", "disable_overlap_schedule",
                                           "tp_size", "pp_size", "kv_cache_dtype"),

@@ -7,8 +7,11 @@
   ``speculative_num_draft_tokens / num_steps / eagle_topk`` from the draft's own settings;
 * the ``longgen`` and ``longgen_torch`` attention backends; TOKENSWIFT gets ``longgen`` where
   SGLang would pick FlashInfer;
-* the contextual penalty where SGLang samples by itself, and the refusal of token ids outside
-  the vocabulary;
+* the contextual penalty where SGLang samples by itself;
+* at admission, the refusal of token ids outside the vocabulary and of sampling fields the
+  scheduler cannot hold, and each request's settings of ours, parsed once (:mod:`.validation`);
+* slot-table rows that hold SGLang's per-step KV reserve up to the end of the context (:mod:`.slot_rows`);
+* a step of several tokens ends its request where plain decoding would have (:mod:`.stops`);
 * on SGLang's CPU engine, the ``sgl_kernel`` stand-ins (:mod:`.cpu`).
 
 Every hook target is named in :mod:`.compat`; if this SGLang lacks one, or any other piece we
@@ -21,8 +24,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import backends, compat, cpu
-from .validation import check_input_ids
+from . import backends, compat, cpu, slot_rows, stops
+from .validation import admit, check_request, check_request_shape
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +305,11 @@ def install() -> None:
         "skip_draft_config": skip_draft_config,
         "default_backend": prefer_longgen_backend,
         "penalty": penalty_into_sampling_info,
-        "input_ids": check_input_ids,
+        "request_shape": check_request_shape,
+        "input_ids": check_request,
+        "request_settings": admit,
+        "slot_rows": slot_rows.widen_rows,
+        "stops": stops.finish_per_token,
     }, compat.HOOKS)
     if on_cpu:
         from .cpu import ops

@@ -2,7 +2,9 @@
 
 SGLang's batch carries the tokens; everything a speculative method remembers across steps (its
 n-gram pool, partial-KV selection, random generator) lives here, keyed by request id, so
-requests joining and leaving the batch never disturb each other.
+requests joining and leaving the batch never disturb each other. What a request asks for (its
+target distribution, penalty, seed) was parsed when it was admitted (:mod:`.request_settings`):
+a step only reads it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from typing import Any
 import torch
 
 from ..config import SamplingConfig
-
-# SGLang's "no top-k" sentinel (sampling_params.TOP_K_ALL) and greedy encoding (top_k == 1).
-_TOP_K_ALL = 1 << 30
+from .request_settings import DEFAULT_SETTINGS, RequestSettings, penalty_of, settings_of
 
 
 class TokenHistory(Sequence):
@@ -101,52 +101,33 @@ def active_penalty_defaults() -> PenaltyDefaults | None:
 
 
 def penalty_settings(req, defaults: PenaltyDefaults) -> tuple[float, int]:
-    """Contextual penalty of a request: its ``custom_params`` override the server's defaults."""
-    params: dict[str, Any] = req.sampling_params.custom_params or {}
-    theta = float(params.get("penalty", defaults.penalty))
-    window = int(params.get("penalty_window", defaults.window))
-    if theta < 1.0 or window < 0:
-        raise ValueError(f"bad contextual penalty for request {req.rid}: penalty={theta}, penalty_window={window}")
-    return theta, window
+    """Contextual penalty ``(theta, window)`` of a request: its own, else the server's defaults."""
+    return penalty_of(settings_of(req), defaults)
 
 
-def sampling_config(req, defaults: PenaltyDefaults) -> SamplingConfig:
-    """The request's target distribution in our terms, with SGLang's joint filter semantics."""
-    sp = req.sampling_params
-    theta, window = penalty_settings(req, defaults)
-    greedy = sp.top_k == 1
-    top_k = 0 if greedy or sp.top_k is None or sp.top_k <= 0 or sp.top_k >= _TOP_K_ALL else sp.top_k
-    return SamplingConfig(
-        temperature=0.0 if greedy else float(sp.temperature),
-        top_p=float(sp.top_p),
-        top_k=top_k,
-        min_p=float(sp.min_p),
-        penalty=theta,
-        penalty_window=window,
-        filter_order="joint",
-    )
+def sampling_config(req, defaults: PenaltyDefaults, settings: RequestSettings | None = None) -> SamplingConfig:
+    """The request's target distribution in our terms, with SGLang's joint filter semantics
+    (``settings``: the request's, where the caller has them already)."""
+    s = settings_of(req) if settings is None else settings
+    theta, window = penalty_of(s, defaults)
+    return SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, penalty=theta,
+                          penalty_window=window, filter_order="joint")
 
 
-def tree_blocker(req, penalty_processor_cls) -> str | None:
+def tree_blocker(req, settings: RequestSettings) -> str | None:
     """Why a request's drafts cannot be verified losslessly here (None: they can).
 
     These features make a node's distribution depend on state we cannot extend along a draft
-    path (SGLang's count-based penalties, grammars, opaque logit processors). Such requests
-    still run, one exact token per step from the root.
+    path (SGLang's count-based penalties, opaque logit processors). Such requests still run, one
+    exact token per step from the root. A grammar is extended along the paths (:mod:`.grammar`).
     """
     sp = req.sampling_params
     if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
         return "frequency/presence/repetition penalty"
     if sp.min_new_tokens and len(req.output_ids) < sp.min_new_tokens:
         return "min_new_tokens"
-    if req.grammar is not None:
-        return "structured output"
-    if req.custom_logit_processor:
-        from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
-
-        proc = CustomLogitProcessor.from_str(req.custom_logit_processor)
-        if not isinstance(proc, penalty_processor_cls):
-            return "custom logit processor"
+    if req.custom_logit_processor and not settings.penalty_processor:
+        return "custom logit processor"
     if req.return_logprob:
         return "logprobs"
     return None
@@ -174,6 +155,7 @@ class StepRequest:
     seq_len: int  # committed KV length
     sampling: SamplingConfig
     blocker: str | None  # why its drafts cannot be verified exactly here (None: they can)
+    settings: RequestSettings = DEFAULT_SETTINGS  # what the request asked for (.request_settings)
 
     @property
     def rid(self) -> str:
@@ -193,14 +175,15 @@ class RequestTable:
         self.states: dict[str, RequestState] = {}
         self.step_count = 0
 
-    def begin(self, batch, defaults: PenaltyDefaults, penalty_processor_cls) -> list[StepRequest]:
+    def begin(self, batch, defaults: PenaltyDefaults) -> list[StepRequest]:
         """The batch's requests as :class:`StepRequest`; forgets requests that left silently."""
         self.step_count += 1
         seq_lens = batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else batch.seq_lens.tolist()
         steps = []
         for req, seq_len in zip(batch.reqs, seq_lens):
-            steps.append(StepRequest(req, self._state(req), request_tokens(req), int(seq_len),
-                                     sampling_config(req, defaults), tree_blocker(req, penalty_processor_cls)))
+            settings = settings_of(req)
+            steps.append(StepRequest(req, self._state(req, settings), request_tokens(req), int(seq_len),
+                                     sampling_config(req, defaults, settings), tree_blocker(req, settings), settings))
         self._forget_absent({s.rid for s in steps})
         return steps
 
@@ -210,11 +193,11 @@ class RequestTable:
     def clear(self) -> None:
         self.states.clear()
 
-    def _state(self, req) -> RequestState:
+    def _state(self, req, settings: RequestSettings) -> RequestState:
         state = self.states.get(req.rid)
         if state is None:
-            seed = req.sampling_params.sampling_seed
-            gen = torch.Generator(device=self.device).manual_seed(int(seed)) if seed is not None else self.generator
+            seed = settings.seed
+            gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else self.generator
             state = self.states[req.rid] = RequestState(req.rid, gen)
         state.last_seen = self.step_count
         return state

@@ -23,7 +23,7 @@ one width), is overwritten by whatever forward comes next at those positions. Ev
 the worker first makes its stream wait for the queued step (:meth:`SpecAhead.wait`).
 
 It is not queued where the next call may differ in what the verify reads or returns: a request
-that SGLang processes per token (blocked: grammars, count penalties), logprobs or hidden states
+that SGLang processes per token (blocked: count penalties), logprobs or hidden states
 returned, a request likely to finish with this step (:func:`~.pipeline.likely_finishes`), or a
 timed step (its sections would be another step's). A device without streams (the CPU engine of
 the tests) computes it in place: no time saved, the same bookkeeping. It is opt-in for now

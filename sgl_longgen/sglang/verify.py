@@ -26,10 +26,11 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
 from ..core.sampling import LogitsProcessor
-from ..core.tree import bits_to_rows
+from ..core.tree import DraftTree, bits_to_rows
 from ..core.verify import TreeWalks, Verdict, draw_tree, walk_tree, walk_trees
 from ..methods import Draft
 from .buffers import Staging, VerifyBuffers
+from .grammar import active_grammar, apply_masks, tree_masks
 from .inputs import TreeVerifyInput
 from .requests import StepRequest
 
@@ -37,8 +38,8 @@ from .requests import StepRequest
 def draw_groups(steps: list[StepRequest],
                 no_bias: bool) -> list[tuple[list[int], object, torch.Generator | None]]:
     """Requests whose draws are taken in one call, as ``(rows, settings, generator)``: nothing of
-    SGLang's processing on their rows (no blocker, no logit bias) and no contextual penalty (whose
-    window is each node's own path). The greedy ones form one group whatever their settings (one
+    SGLang's processing on their rows (no blocker, no logit bias, no grammar) and no contextual
+    penalty (whose window is each node's own path). The greedy ones form one group whatever their settings (one
     argmax over all their rows). Sampled ones group, two or more, by the same settings and the same
     generator (requests without a seed share the table's): each node's token is still drawn from
     its own row's distribution with noise of its own (:func:`~sgl_longgen.core.sampling.exponential_race`
@@ -52,7 +53,7 @@ def draw_groups(steps: list[StepRequest],
     greedy: list[int] = []
     sampled: dict[tuple, list[int]] = {}
     for b, step in enumerate(steps):
-        if step.blocker is not None or step.sampling.penalty_active:
+        if step.blocker is not None or step.sampling.penalty_active or active_grammar(step.req) is not None:
             continue
         if step.sampling.greedy:
             greedy.append(b)
@@ -116,6 +117,9 @@ class Verifier:
         self._columns = torch.arange(num_nodes, device=device)  # a verify window's columns
         self._row_index: dict[tuple[int, ...], torch.Tensor] = {}  # see batch_rows
         self._fused = None  # the fused walk-and-commit kernel, on GPUs
+        # The last draw's root rows after SGLang's processing (None: no blocked request): a
+        # request's logprobs are those of the distribution its token was drawn from.
+        self.root_logits: torch.Tensor | None = None
         if device.type == "cuda":
             from ..kernels.tree_accept import MAX_NODES, walk_and_commit
 
@@ -266,15 +270,18 @@ class Verifier:
         n = logits.shape[0] // bs
         logits = logits[:, :vocab].view(bs, n, vocab)
         info = batch.sampling_info
-        root_sglang = None
+        root_sglang = self.root_logits = None
         if any(s.blocker is not None for s in steps):
-            # SGLang's own processing of the root rows: penalizers, grammar, bias, custom processors.
+            # SGLang's own processing of the root rows: penalizers, bias, custom processors (the
+            # grammar's mask is ours, below: SGLang's may still be the prefill's).
             from sglang.srt.layers.sampler import apply_custom_logit_processor
 
             root_sglang = logits[:, 0].clone()
+            info.grammar_mask = None
             info.apply_logits_bias(root_sglang)
             if info.has_custom_logit_processor:
                 apply_custom_logit_processor(root_sglang, info)
+            self.root_logits = root_sglang
         groups = draw_groups(steps, info.logit_bias is None)
         if len(groups) == 1 and len(groups[0][0]) == bs:
             _, sampling, generator = groups[0]
@@ -289,15 +296,22 @@ class Verifier:
         for b, (step, draft) in enumerate(zip(steps, drafts)):
             if b in done:
                 continue
+            grammar = active_grammar(step.req)
             if step.blocker is not None:
                 # Any penalty is already in SGLang's processing of the root.
+                root = root_sglang[b : b + 1]
+                if grammar is not None:
+                    apply_masks(grammar, root, tree_masks(grammar, DraftTree(step.root), vocab))
                 proc = LogitsProcessor(msgspec.structs.replace(step.sampling, penalty=1.0), vocab)
-                draws[b, :1] = proc.sample(root_sglang[b : b + 1], None, step.state.generator)
+                draws[b, :1] = proc.sample(root, None, step.state.generator)
                 continue
             tree = draft.tree
             rows = logits[b, : tree.num_walkable]  # leaves (e.g. [SPEC]) are never drawn from
             if info.logit_bias is not None:
                 rows = rows + info.logit_bias[b, :vocab]
+            if grammar is not None:
+                rows = rows.clone() if info.logit_bias is None else rows
+                apply_masks(grammar, rows, tree_masks(grammar, tree, vocab))
             draws[b, : tree.num_walkable] = draw_tree(rows, tree, LogitsProcessor(step.sampling, vocab), step.history,
                                                       step.state.generator)
         return draws
@@ -359,6 +373,11 @@ class Verifier:
         from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
 
         n = drawn.shape[1]
+        if self.root_logits is not None:
+            # Logprob requests are blocked (root-only): their root rows as SGLang processed them,
+            # penalties and grammar included, as plain decoding's sampler returns them.
+            rows = logits_output.next_token_logits.view(len(drafts), n, -1)
+            rows[:, 0, : self.vocab_size] = self.root_logits
         predict = torch.zeros(len(drafts) * n, dtype=torch.int64)
         accept_index = torch.full((len(drafts), n), -1, dtype=torch.int64)
         for b, (draft, verdict) in enumerate(zip(drafts, verdicts)):

@@ -31,8 +31,9 @@ per token, so plain tokens cost what SGLang's overlapped decoding costs. Each fo
 token exactly as a single plain step would, in the same order from the same generator, so a run
 of k is k plain steps.
 
-Requests whose sampling settings cannot be carried along a draft path (SGLang's count-based
-penalties, grammars, foreign logit processors, logprobs) get a root-only trie: one exact token
+Structured-output requests speculate: each node is drawn under the grammar's mask after its
+path (:mod:`.grammar`). Requests whose sampling settings cannot be carried along a draft path
+(SGLang's count-based penalties, foreign logit processors, logprobs) get a root-only trie: one exact token
 per step from SGLang's own processing of the root. So does a request whose drafting raised: the
 exception is logged once for it, it decodes plain from then on, and the server keeps serving.
 """
@@ -61,7 +62,6 @@ from .buffers import Staging
 from .drafter import Drafter
 from .host_profile import HostProfile
 from .inputs import relay_input, restored
-from .penalty import ContextualPenaltyProcessor
 from .pipeline import batch_key, likely_finishes
 from .requests import (
     RequestTable,
@@ -71,6 +71,7 @@ from .requests import (
     sampling_config,
 )
 from .run_ahead import RunAhead
+from .slot_rows import check_rows
 from .spec_ahead import SpecAhead
 from .timing import StepClock, append_step_values
 from .verify import Launched, Verifier
@@ -180,6 +181,8 @@ class SpecWorker(BaseSpecWorker):
         # SGLang has built the target's pools and attention backend by now.
         compat.require_fields("model_runner_ready", self.env.runner)
         compat.require_fields("req_to_token_pool", self.env.runner.req_to_token_pool)
+        runner = self.env.runner
+        check_rows(runner.req_to_token_pool, runner.model_config.context_len, self.server_args)
 
     def init_cuda_graphs(self):
         """After SGLang captured the target's verify graphs: the width-1 graphs of plain steps,
@@ -396,7 +399,7 @@ class SpecWorker(BaseSpecWorker):
     def _plain_run_length(self, batch, steps: list[StepRequest]) -> int:
         """Plain steps this call may queue back to back: 1 where a token needs the host before the
         next one is drawn (our contextual penalty's window, SGLang's own processing of a blocked
-        request, logprobs or hidden states returned per token), else :data:`PLAIN_RUN` (fewer
+        request, a grammar's state, logprobs or hidden states returned per token), else :data:`PLAIN_RUN` (fewer
         right after a prefill or a speculative step: see there), at most the verify width, every
         request's remaining budget and the plain steps its controller allows before its next probe
         (one where a plain step only measures or refreshes the plain cost). 0: this step needs the
@@ -413,7 +416,7 @@ class SpecWorker(BaseSpecWorker):
     def _runs_plain(step: StepRequest) -> bool:
         """Nothing needs the host between two of the request's tokens (see :meth:`_plain_run_length`)."""
         return (step.blocker in (None, SPECULATION_OFF) and not step.sampling.penalty_active
-                and not getattr(step.req, "return_hidden_states", False))
+                and step.req.grammar is None and not getattr(step.req, "return_hidden_states", False))
 
     def _plain_run(self, batch, steps: list[StepRequest], k: int, on_publish) -> GenerationBatchResult:
         """``k`` plain steps in one call: ``k`` width-1 forwards queued back to back, each drawing
@@ -557,7 +560,7 @@ class SpecWorker(BaseSpecWorker):
         self.run_ahead.queue(key, [s.state.generator for s in steps], forward)
 
     def _begin(self, batch) -> list[StepRequest]:
-        steps = self.requests.begin(batch, self.drafter.penalty, ContextualPenaltyProcessor)
+        steps = self.requests.begin(batch, self.drafter.penalty)
         for step in steps:
             state = step.state
             if state.failed:
