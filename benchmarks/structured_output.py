@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 DRAFTS = {"TOKENSWIFT": "tokenswift-heads", "OWL": "owl-drafter", "HOWL": "owl-drafter",
@@ -60,7 +59,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--algorithms", nargs="*", default=list(DRAFTS))
     args = parser.parse_args()
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     plain = run("plain", args.tokens)
     print(f"{'algorithm':<11} {'request':<6} {'tokens':>6} {'ms/token':>9} {'x plain':>8} {'accept':>7} same")
     for algorithm in ["plain", *args.algorithms]:
