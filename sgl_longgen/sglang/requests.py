@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..config import SamplingConfig
+from .grammar import active_grammar
 from .request_settings import DEFAULT_SETTINGS, RequestSettings, penalty_of, settings_of
 
 
@@ -95,6 +96,12 @@ def activate_penalty_defaults(defaults: PenaltyDefaults) -> None:
     _active_defaults = defaults
 
 
+def worker_active() -> bool:
+    """A worker of ours runs in this process (the scheduler's): hooks on SGLang's shared code
+    act only there."""
+    return _active_defaults is not None
+
+
 def active_penalty_defaults() -> PenaltyDefaults | None:
     """The penalty defaults of the worker running in this process (None: no worker of ours)."""
     return _active_defaults
@@ -156,6 +163,7 @@ class StepRequest:
     sampling: SamplingConfig
     blocker: str | None  # why its drafts cannot be verified exactly here (None: they can)
     settings: RequestSettings = DEFAULT_SETTINGS  # what the request asked for (.request_settings)
+    grammar: Any = None  # its grammar while it still constrains tokens (.grammar.active_grammar)
 
     @property
     def rid(self) -> str:
@@ -183,7 +191,8 @@ class RequestTable:
         for req, seq_len in zip(batch.reqs, seq_lens):
             settings = settings_of(req)
             steps.append(StepRequest(req, self._state(req, settings), request_tokens(req), int(seq_len),
-                                     sampling_config(req, defaults, settings), tree_blocker(req, settings), settings))
+                                     sampling_config(req, defaults, settings), tree_blocker(req, settings), settings,
+                                     active_grammar(req)))
         self._forget_absent({s.rid for s in steps})
         return steps
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 def ours() -> bool:
     """A worker of ours runs in this process (the scheduler's). Imported here: the plugin's
     modules are imported in every SGLang process, and ``.requests`` brings torch."""
-    from .requests import active_penalty_defaults
+    from .requests import worker_active
 
-    return active_penalty_defaults() is not None
+    return worker_active()
 
 
 def finish_per_token(update_finish_state, req, new_accepted_len: int = 1):

@@ -30,7 +30,7 @@ from ..core.tree import DraftTree, bits_to_rows
 from ..core.verify import TreeWalks, Verdict, draw_tree, walk_tree, walk_trees
 from ..methods import Draft
 from .buffers import Staging, VerifyBuffers
-from .grammar import active_grammar, apply_masks, tree_masks
+from .grammar import apply_masks, tree_masks
 from .inputs import TreeVerifyInput
 from .requests import StepRequest
 
@@ -53,7 +53,7 @@ def draw_groups(steps: list[StepRequest],
     greedy: list[int] = []
     sampled: dict[tuple, list[int]] = {}
     for b, step in enumerate(steps):
-        if step.blocker is not None or step.sampling.penalty_active or active_grammar(step.req) is not None:
+        if step.blocker is not None or step.sampling.penalty_active or step.grammar is not None:
             continue
         if step.sampling.greedy:
             greedy.append(b)
@@ -296,7 +296,7 @@ class Verifier:
         for b, (step, draft) in enumerate(zip(steps, drafts)):
             if b in done:
                 continue
-            grammar = active_grammar(step.req)
+            grammar = step.grammar
             if step.blocker is not None:
                 # Any penalty is already in SGLang's processing of the root.
                 root = root_sglang[b : b + 1]
@@ -309,8 +309,9 @@ class Verifier:
             rows = logits[b, : tree.num_walkable]  # leaves (e.g. [SPEC]) are never drawn from
             if info.logit_bias is not None:
                 rows = rows + info.logit_bias[b, :vocab]
+            elif grammar is not None:
+                rows = rows.clone()  # masked below: the verify's logits stay as the forward left them
             if grammar is not None:
-                rows = rows.clone() if info.logit_bias is None else rows
                 apply_masks(grammar, rows, tree_masks(grammar, tree, vocab))
             draws[b, : tree.num_walkable] = draw_tree(rows, tree, LogitsProcessor(step.sampling, vocab), step.history,
                                                       step.state.generator)

@@ -416,7 +416,7 @@ class SpecWorker(BaseSpecWorker):
     def _runs_plain(step: StepRequest) -> bool:
         """Nothing needs the host between two of the request's tokens (see :meth:`_plain_run_length`)."""
         return (step.blocker in (None, SPECULATION_OFF) and not step.sampling.penalty_active
-                and step.req.grammar is None and not getattr(step.req, "return_hidden_states", False))
+                and step.grammar is None and not getattr(step.req, "return_hidden_states", False))
 
     def _plain_run(self, batch, steps: list[StepRequest], k: int, on_publish) -> GenerationBatchResult:
         """``k`` plain steps in one call: ``k`` width-1 forwards queued back to back, each drawing

@@ -15,8 +15,9 @@ from sgl_longgen.sglang.verify import draw_groups
 VOCAB = 300
 
 
-def step(sampling: SamplingConfig, generator: torch.Generator, blocker: str | None = None):
-    return SimpleNamespace(sampling=sampling, state=SimpleNamespace(generator=generator), blocker=blocker)
+def step(sampling: SamplingConfig, generator: torch.Generator, blocker: str | None = None, grammar=None):
+    return SimpleNamespace(sampling=sampling, state=SimpleNamespace(generator=generator), blocker=blocker,
+                           grammar=grammar)
 
 
 def test_only_requests_whose_rows_alone_decide_share_a_draw():
@@ -32,6 +33,7 @@ def test_only_requests_whose_rows_alone_decide_share_a_draw():
         step(t07, shared),  # 6
         step(SamplingConfig(temperature=0.0), shared),  # 7: greedy
         step(t1, shared),  # 8
+        step(t1, shared, grammar=object()),  # 9: each node under its path's mask
     ]
     groups = draw_groups(steps, no_bias=True)
     # The greedy rows first (one argmax, no generator), then the sampled groups of two or more.
