@@ -42,6 +42,33 @@ def post_all(url: str, route: str, bodies: list[dict], alive: Callable[[], bool]
         pool.shutdown(wait=False)  # requests left unanswered end when the server is stopped
 
 
+class Streamed:
+    """A streamed /generate request, read chunk by chunk."""
+
+    def __init__(self, url: str, body: dict):
+        self.body = body
+        self.response = requests.post(url + "/generate", json={**body, "stream": True}, stream=True, timeout=300)
+        assert self.response.status_code == 200, self.response.text
+        self._lines = self.response.iter_lines(decode_unicode=True)
+        self.chunk = None
+
+    def next(self) -> dict | None:
+        """The next chunk (None: the stream ended)."""
+        for line in self._lines:
+            if line and line.startswith("data:") and line[5:].strip() != "[DONE]":
+                self.chunk = json.loads(line[5:])
+                return self.chunk
+        return None
+
+    def last(self) -> dict:
+        while self.next() is not None:
+            pass
+        return self.chunk
+
+    def close(self) -> None:
+        self.response.close()
+
+
 class Reference:
     """Plain decoding's responses, each request sent once per module however many algorithms
     are compared with it."""
