@@ -142,6 +142,9 @@ HOOKS: dict[str, tuple[str, str, str]] = {
                   "slot-table rows that hold SGLang's per-step KV reserve up to the end of the context"),
     "stops": ("sglang.srt.managers.schedule_batch.Req.update_finish_state", "AROUND",
               "a step of several tokens checked for stops and max_new_tokens after each token, as plain decoding does"),
+    "token_ids_logprobs": ("sglang.srt.layers.logprob_processor.get_token_ids_logprobs_raw", "AFTER",
+                           "a batch where only some requests ask for given token ids' logprobs served instead of "
+                           "crashing the scheduler (every algorithm, plain decoding included)"),
 }
 
 CPU_HOOKS: dict[str, tuple[str, str, str]] = {

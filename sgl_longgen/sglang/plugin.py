@@ -1,6 +1,6 @@
 """What the plugin installs into SGLang (in every SGLang process, through :func:`install`).
 
-* the speculative algorithms (``--speculative-algorithm TOKENSWIFT | OWL | HOWL | LONGSPEC``), each with a
+* the speculative algorithms (``--speculative-algorithm TOKENSWIFT | OWL | HOWL | LONGSPEC | SUFFIX``), each with a
   ``CustomSpecAlgo`` subclass that adds the members SGLang 0.5.17's scheduler calls;
 * a check of the draft directory and of the attention backend when the server arguments are
   built, so a bad setting stops startup with a message naming it, and defaults for
@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import backends, compat, cpu, slot_rows, stops
+from . import backends, compat, cpu, slot_rows, stops, token_ids_logprobs
 from .validation import admit, check_request, check_request_shape
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ VERIFY_POLICY_BACKENDS = (backends.HYBRID, backends.TORCH)
 # common in launch scripts) gets ``longgen`` with a warning instead of a refusal.
 FA3 = "fa3"
 # Algorithms that get the ``longgen`` backend where SGLang would pick FlashInfer.
-HYBRID_VERIFY_DEFAULT = ("TOKENSWIFT", "OWL", "HOWL", "LONGSPEC")
+HYBRID_VERIFY_DEFAULT = ("TOKENSWIFT", "OWL", "HOWL", "LONGSPEC", "SUFFIX")
 # Algorithms whose drafters read the verify forward's hidden states: SGLang's verify graphs must
 # capture them (its capture mode for target-KV-only tree verifiers is otherwise none).
 NEEDS_HIDDEN_STATES = ("OWL", "HOWL")
@@ -93,6 +93,12 @@ def _longspec_widths(draft) -> tuple[int, int, int]:
     return verify_width(c.widths, c.tree_size), len(c.widths), max(c.widths)
 
 
+def _suffix_widths(draft) -> tuple[int, int, int]:
+    # The whole tree in one verify; steps x top-k (SGLang's per-step KV reserve) within the width.
+    width = draft.defaults.suffix.max_spec_tokens + 1
+    return width, max(1, width // 2), 2
+
+
 def _longspec_check(server_args) -> None:
     from .longspec import check_server_args
 
@@ -104,6 +110,7 @@ ALGORITHMS = {
     "OWL": Algorithm("OWL", _inspect("owl"), _owl_widths),
     "HOWL": Algorithm("HOWL", _inspect("owl"), _howl_widths),
     "LONGSPEC": Algorithm("LONGSPEC", _inspect("longspec"), _longspec_widths, _longspec_check),
+    "SUFFIX": Algorithm("SUFFIX", _inspect("suffix"), _suffix_widths),  # no draft model: the path is optional
 }
 
 
@@ -310,6 +317,7 @@ def install() -> None:
         "request_settings": admit,
         "slot_rows": slot_rows.widen_rows,
         "stops": stops.finish_per_token,
+        "token_ids_logprobs": token_ids_logprobs.empty_entries_as_tensors,
     }, compat.HOOKS)
     if on_cpu:
         from .cpu import ops

@@ -432,8 +432,8 @@ LOGPROB_SETTINGS = [  # (sampling params, request fields): eight requests decodi
     ({"frequency_penalty": 0.8, "repetition_penalty": 1.2}, {}),
     ({}, {}),
 ]
-# Every request of this batch asks for token ids' logprobs: SGLang's scheduler fails on a batch
-# where only some do (see test_token_ids_logprob_beside_requests_without_them).
+# Every request of this batch asks for token ids' logprobs (a batch where only some do:
+# test_token_ids_logprob_beside_requests_without_logprobs).
 TOKEN_ID_SETTINGS = [
     ({}, dict(return_logprob=True, top_logprobs_num=5, token_ids_logprob=PROBES, logprob_start_len=0)),
     ({"frequency_penalty": 0.5, "presence_penalty": 0.5}, dict(return_logprob=True, token_ids_logprob=PROBES)),
@@ -586,11 +586,13 @@ def test_sampled_logprobs_match_a_prefill(server, reference):
     assert_close([t[0] for t in scored], [t[0] for t in gen["output_token_logprobs"]], LOGPROB_TOL, "sampled logprobs")
 
 
-# Last of each server's tests: SGLang 0.5.17 takes the whole server down on it.
+# Last of each server's tests: without the plugin's token_ids_logprobs hook SGLang 0.5.17 takes the
+# whole server down on it.
 @pytest.mark.parametrize("server", SERVERS, indirect=True)
 def test_token_ids_logprob_beside_requests_without_logprobs(server):
     """Requests that ask for given token ids' logprobs and requests that ask for no logprobs,
-    decoding side by side: all answered, the server serves on. (SGLang 0.5.17's scheduler hits
+    decoding side by side: all answered, the server serves on. (Without the plugin's
+    ``token_ids_logprobs`` hook, SGLang 0.5.17's scheduler hits
     ``'list' object has no attribute 'tolist'`` in ``BatchResultProcessor.move_logprobs_to_cpu``
     and exits, on plain decoding too: ``get_token_ids_logprobs`` gives an empty list for a request
     without token ids among the others' tensors.)"""
