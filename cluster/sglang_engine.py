@@ -8,10 +8,11 @@ prompt plus its generated prefix, re-prefilled (SGLang's radix cache makes that 
 same engine served the first part).
 
 A speculative method runs as this package's SGLang algorithm of the same name (``TOKENSWIFT``,
-``OWL``, ``HOWL``, ``LONGSPEC``) with its draft checkpoint as the draft model path. The plugin
-reads the method's settings (tree, n-gram, partial KV, drafter beam, suffix, default penalty) from
-the ``longgen.toml`` in that directory, so the actor builds a draft directory of its own: links to
-the checkpoint's files plus a ``longgen.toml`` holding the job's effective settings. The contextual
+``OWL``, ``HOWL``, ``LONGSPEC``, ``SUFFIX``) with its draft checkpoint as the draft model path. The
+plugin reads the method's settings (tree, n-gram, partial KV, drafter beam, suffix, default
+penalty) from the ``longgen.toml`` in that directory, so the actor builds a draft directory of its
+own: links to the checkpoint's files (SUFFIX has none) plus a ``longgen.toml`` holding the job's
+effective settings. The contextual
 penalty also rides on each request as ``custom_params`` (with plain decoding, through the plugin's
 ``ContextualPenaltyProcessor``).
 
@@ -53,13 +54,14 @@ def engine_kwargs(model_path: str, draft_dir: str | None, config: GenerateConfig
     }
     algorithm = SPECULATIVE_ALGORITHMS.get(config.method)
     if algorithm is not None:
-        if draft_dir is None:
-            from ..runtime import DRAFT_FIELD
+        from ..runtime import DRAFT_FIELD
 
+        if draft_dir is None and config.method in DRAFT_FIELD:
             raise LonggenError(f"{config.method} needs its draft checkpoint: set `{DRAFT_FIELD[config.method]}` in the job "
                                f"(none found inside {model_path})")
-        kw.update(speculative_algorithm=algorithm, speculative_draft_model_path=draft_dir,
-                  disable_overlap_schedule=True)
+        kw.update(speculative_algorithm=algorithm, disable_overlap_schedule=True)
+        if draft_dir is not None:
+            kw["speculative_draft_model_path"] = draft_dir
     elif config.sampling.penalty_active:
         kw["enable_custom_logit_processor"] = True
     kw.update(user)
@@ -97,10 +99,11 @@ def _toml(table: dict[str, Any], prefix: str = "") -> list[str]:
     return lines
 
 
-def draft_dir_for(checkpoint: Path, config: GenerateConfig) -> Path:
-    """The draft checkpoint's files plus a ``longgen.toml`` with the job's effective method settings."""
+def draft_dir_for(checkpoint: Path | None, config: GenerateConfig) -> Path:
+    """The draft checkpoint's files (None: a method without one, SUFFIX) plus a ``longgen.toml``
+    with the job's effective method settings."""
     out = Path(tempfile.mkdtemp(prefix="sgl-longgen-draft-"))
-    for f in checkpoint.iterdir():
+    for f in checkpoint.iterdir() if checkpoint is not None else ():
         if f.name != DEFAULTS_FILE:
             (out / f.name).symlink_to(f.resolve())
     settings = {name: to_dict(getattr(config, name)) for name in METHOD_TABLES}
@@ -128,10 +131,10 @@ class SGLangEngine:
     def __init__(self, index: int, model: str, drafts: dict[str, str | None], generation: dict[str, Any],
                  tp_size: int = 1, sglang_kwargs: dict[str, Any] | None = None):
         from ..runtime import DRAFT_FIELD, draft_dirs, resolve_model
-        from ..runtime.embedded import ALIASES, SPECS
+        from ..runtime.embedded import is_name
 
         self.index = index
-        if model in SPECS or model in ALIASES or Path(model).is_dir():
+        if is_name(model) or Path(model).is_dir():
             model_dir: Path | None = resolve_model(model)
             model_path = str(model_dir)
         else:
@@ -142,7 +145,10 @@ class SGLangEngine:
         self.eos_ids = self._eos_ids(model_dir)
 
         checkpoint = dirs.get(DRAFT_FIELD.get(self.config.method, ""))
-        draft = str(draft_dir_for(checkpoint, self.config)) if checkpoint is not None else None
+        # A method without a checkpoint (SUFFIX) still gets the job's settings in a directory.
+        needs_dir = checkpoint is not None or (self.config.method in SPECULATIVE_ALGORITHMS
+                                               and self.config.method not in DRAFT_FIELD)
+        draft = str(draft_dir_for(checkpoint, self.config)) if needs_dir else None
 
         from ..sglang.engine import open_engine  # heavy; only engine actors of this runtime import it
 

@@ -175,10 +175,10 @@ class Job:
     @property
     def model(self) -> str:
         """The model as engines should open it: an embedded name stays a name."""
-        from ..runtime.embedded import ALIASES, SPECS
+        from ..runtime.embedded import is_name
 
         m = self.spec.model
-        if m in SPECS or m in ALIASES:
+        if is_name(m):
             return m
         return str(self.path(m))
 

@@ -1,7 +1,7 @@
 """Triton kernels: each row's top-k of ``log_softmax(logits)``, for LongSpec's beam levels.
 
 A beam level needs, per frontier row, its ``k`` best next tokens and their log-probabilities
-(:func:`sgl_longgen.core.longspec.best_children` then keeps the best ``width`` of the level). In
+(:func:`sgl_longgen.core.longspec_beam.best_children` then keeps the best ``width`` of the level). In
 PyTorch that is a vocabulary-wide ``log_softmax`` (one block per row: 16 rows leave an H100
 mostly idle) and ``torch.topk`` (for 16 rows of 32K-128K logits, its multi-block radix select:
 some ten launches of digit counts and scans per call), about 60-90 us a level on an H100. Here:
@@ -227,7 +227,7 @@ def best_of_rows(parent_scores: torch.Tensor, top: torch.Tensor, ids: torch.Tens
     ``parent_scores`` ``[B, n]`` float32 the rows' cumulative scores. Returns the scores
     ``parent + top`` (the same float32 sums), tokens and rows, ``[B, width]``, best first (equal
     scores: lower row, then the row's earlier candidate first). The PyTorch twin is
-    :func:`sgl_longgen.core.longspec.best_of_rows`."""
+    :func:`sgl_longgen.core.longspec_beam.best_of_rows`."""
     B, n, k = top.shape
     if not 1 <= width <= min(MAX_K, n * k):
         raise ValueError(f"width must be in [1, {min(MAX_K, n * k)}], got {width}")
@@ -281,7 +281,7 @@ def cut_beam(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, 
     parents indices into the row or -1, ``depths`` ``[P]``) as the host reads a beam: int64 ``[B, 3n'
     + 1]`` (tokens, renumbered parents, depths, a flag set where a kept node lost its parent) and
     the scores ``[B, n']``, ``n' = min(n, P)``. The PyTorch twin is
-    ``beam_rows(*select_nodes_batched(...))`` (:mod:`sgl_longgen.core.longspec`)."""
+    ``beam_rows(*select_nodes_batched(...))`` (:mod:`sgl_longgen.core.longspec_beam`)."""
     B, P = scores.shape
     if tokens.shape != (B, P) or parents.shape != (B, P) or depths.shape != (P,):
         raise ValueError(f"cut_beam takes [B, P] scores, tokens and parents and [P] depths, got {tuple(scores.shape)}, "

@@ -5,7 +5,7 @@ and activations, a log-softmax and top-k per level, the frontier's bookkeeping, 
 selection). At batch 1 on an 8B-sized drafter that is launch-bound: even as one CUDA graph the
 beam cost 1.5-2.7 ms, while its weights take ~0.25 ms to read. Here each level is
 
-1. ``pre = proj(state)`` (cuBLAS; with ``weights = "fp8"`` the fp8 GEMM of :mod:`sgl_longgen.core.fp8`),
+1. ``pre = proj(state)`` (cuBLAS; with ``weights = "fp8"`` the fp8 GEMM of :mod:`.fp8_linear`),
 2. :func:`_lstm_cell_kernel`: token embedding, gates, both norms and GELUs, one program per row;
    a row reads its parent's projection and cell through an index, so the frontier is never copied,
 3. ``logits = head(state)`` (the same call as the eager beam),
@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..core.owl import DraftBeam, OwlDrafter, pool_size
+from . import fp8_linear  # noqa: F401 (installs the fp8 GEMM of the device: the fp8 drafter's projections take it)
 
 _INT_MAX = tl.constexpr(2**31 - 1)
 _CHUNK = 2048  # vocabulary slice of one top-k program

@@ -9,14 +9,14 @@ from .errors import LonggenError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands import batch, bench, demo, eval, generate, train
+    from .commands import batch, bench, demo, eval, generate, models, train
 
     parser = argparse.ArgumentParser(
         prog="sgl-longgen",
         description="Lossless speculative decoding for ultra-long generation.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate, demo, batch, train, eval, bench):
+    for module in (generate, demo, batch, train, eval, bench, models):
         module.add_parser(sub)
     return parser
 

@@ -202,7 +202,13 @@ class SuffixConfig(Strict):
     ``loop_min_tokens`` tokens (a loop) drafts up to ``max_spec_tokens`` whatever its match length
     (0: no loop rule). Both apply to HOWL's chains and TokenSwift's suffix path. A query reads
     the latest ``max_occurrences`` occurrences of the context's last token (0: all), so its cost
-    stays bounded on a loop.
+    stays bounded on a loop. The past outputs are also bounded in tokens: at most
+    ``global_tokens`` of the latest ones are kept (an output longer than that, its last
+    ``global_tokens``).
+
+    SUFFIX drafts a tree from the same settings (SuffixDecoding's tree mode): ``max_spec_tokens``
+    and ``floor(max_spec_factor * p + max_spec_offset)`` count its nodes, the most frequent
+    continuations first, and ``min_token_prob`` bounds each node's estimated probability.
     """
 
     max_depth: Annotated[int, Meta(ge=2, le=1024)] = 64
@@ -211,6 +217,7 @@ class SuffixConfig(Strict):
     max_spec_offset: float = 0.0
     min_token_prob: Prob = 0.1
     global_requests: NonNegInt = 0
+    global_tokens: PosInt = 1 << 22
     loop_min_tokens: NonNegInt = 8
     # Occurrences of the context's last token a query reads, the latest first (0: all): bounds a
     # query's cost on a loop, whose copies grow without bound.
@@ -244,7 +251,8 @@ class AdaptiveConfig(Strict):
     can still make a step speculative, calibrated by what hinted steps accepted. The mix
     of steps follows measured times, so a sampled run's seed no longer pins its output (greedy
     output is always plain decoding's), which is why it is off by default: runs, resumed batch jobs
-    included, stay reproducible unless it is asked for. In SGLang (a draft directory's
+    included, stay reproducible unless it is asked for. SUFFIX, which drafts for models nobody
+    trained a drafter for, has it on by default (:data:`METHOD_DEFAULTS`). In SGLang (a draft directory's
     ``longgen.toml`` or ``SGLANG_LONGGEN_ADAPTIVE=1``) one kind of step per batch, from costs measured
     per batch size and context length; requests override it (see :mod:`sgl_longgen.sglang.adaptive`).
 
@@ -292,12 +300,20 @@ class RuntimeConfig(Strict):
     threads: NonNegInt = 0  # 0: leave torch's default
 
 
-Method = Literal["ar", "tokenswift", "owl", "howl", "longspec"]
+Method = Literal["ar", "tokenswift", "owl", "howl", "longspec", "suffix"]
 
 # SGLang's ``--speculative-algorithm`` for each speculative method (this package's plugin registers
 # them); plain decoding ("ar") has none.
 SPECULATIVE_ALGORITHMS: dict[str, str] = {
-    "tokenswift": "TOKENSWIFT", "owl": "OWL", "howl": "HOWL", "longspec": "LONGSPEC",
+    "tokenswift": "TOKENSWIFT", "owl": "OWL", "howl": "HOWL", "longspec": "LONGSPEC", "suffix": "SUFFIX",
+}
+
+# A method's own defaults: a layer between the built-in ones and every settings file or flag
+# (:func:`with_method_defaults`). SUFFIX drafts for any model, trained for or not: adaptive
+# speculation keeps it from ever costing more than plain decoding, and picks each step's verify
+# width (its trie cut to 4 or 16 nodes, or whole) from what the text gets accepted.
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "suffix": {"adaptive": {"enabled": True, "widths": [4, 16]}},
 }
 
 
@@ -355,9 +371,17 @@ def to_dict(struct: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(struct)
 
 
+def with_method_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """Generation settings ``data`` over the defaults of the method they name
+    (:data:`METHOD_DEFAULTS`): what ``data`` sets wins, key by key."""
+    method = data.get("method", GenerateConfig().method)
+    own = METHOD_DEFAULTS.get(method) if isinstance(method, str) else None
+    return merge(own, data) if own else data
+
+
 def load_generate_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> GenerateConfig:
-    """TOML file (optional) plus command-line overrides, validated as one struct."""
+    """TOML file (optional) plus command-line overrides over the method's own defaults, validated as one struct."""
     data: dict[str, Any] = load_toml(path) if path else {}
     if overrides:
         data = merge(data, overrides)
-    return convert(data, GenerateConfig, str(path) if path else "from the command line")
+    return convert(with_method_defaults(data), GenerateConfig, str(path) if path else "from the command line")

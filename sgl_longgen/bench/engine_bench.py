@@ -127,8 +127,8 @@ def with_engine(kw: dict[str, Any], adaptive: bool, body: Callable[[Any], Any]) 
     """Start an engine, run ``body(engine)``, stop it (also when ``body`` raises)."""
     from ..sglang.engine import open_engine, stop_engine
 
-    if adaptive:
-        os.environ[env.name("ADAPTIVE")] = "1"  # read by the engine's scheduler process at start
+    # Read by the engine's scheduler process at start; "0" also for a method whose own default is on (SUFFIX).
+    os.environ[env.name("ADAPTIVE")] = "1" if adaptive else "0"
     try:
         engine = open_engine(**kw)
     finally:

@@ -24,7 +24,8 @@ the peer), ``--algorithms`` in turn:
 3. OWL's drafting cost per step: the LSTM tree expansion (``--owl-width``, ``--owl-draft-vocab``,
    depth 8, top-k 10, 30 nodes) for one request, next to the plain decode step at the first
    context length, for each ``--drafter-weights`` setting (``bf16``; ``fp8``: the projections and
-   head as e4m3 with row scales, :mod:`sgl_longgen.core.fp8`), side by side;
+   head as e4m3 with row scales, :mod:`sgl_longgen.core.fp8`, multiplied through
+   :mod:`sgl_longgen.kernels.fp8_linear`), side by side;
 4. LongSpec's drafting cost per step (``--phase longspec``): one full beam expansion (widths
    ``[4, 16, 16, 16, 16]`` cut to 63 nodes, window 512) of an 8B-shaped drafter block for
    ``--longspec-batch`` requests at each ``--contexts`` length, its cross-attention through the
@@ -385,13 +386,10 @@ def longspec_drafter_ms(contexts: list[int], batch: int = 1, window: int = 512, 
     import msgspec
     import torch
 
-    from ..core.longspec import (
-        DEFAULT_WIDTHS,
-        LongSpecDrafter,
-        draft_head,
-        quantize_fp8,
-        rope_tables,
-    )
+    from ..core.longspec import LongSpecDrafter
+    from ..core.longspec_beam import DEFAULT_WIDTHS
+    from ..core.longspec_rope import rope_tables
+    from ..core.longspec_weights import draft_head, quantize_fp8
     from ..runtime.model import ModelConfig, rope_inv_freq
 
     dev, dt = torch.device(device), torch.bfloat16
@@ -456,15 +454,9 @@ def _time_beams(row: dict, prefix: str, drafter, embed, head, rope, rows, tokens
     worker runs the Triton kernels)."""
     import torch
 
-    from ..core.longspec import (
-        DEFAULT_FEED,
-        DEFAULT_WIDTHS,
-        BeamPlan,
-        RingPool,
-        expand_batch,
-        expand_rings,
-        fuse_projections,
-    )
+    from ..core.longspec_beam import DEFAULT_WIDTHS
+    from ..core.longspec_weights import fuse_projections
+    from ..kernels.longspec_step import DEFAULT_FEED, BeamPlan, RingPool, expand_batch, expand_rings
     from ..sglang.longspec import (
         GraphedBeam,
         committed_attention,

@@ -18,7 +18,7 @@ Two parts:
 
 With ``--engine sglang`` every method runs inside SGLang's ``sgl.Engine`` instead
 (``sgl_longgen.bench.engine_bench``): plain decoding, SGLang's own NGRAM (the peer), TOKENSWIFT,
-OWL, HOWL and LONGSPEC, one engine at a time, on the same proxy, prompts and settings (SGLang's CPU
+OWL, HOWL, LONGSPEC and SUFFIX, one engine at a time, on the same proxy, prompts and settings (SGLang's CPU
 engine where there is no GPU). tau is SGLang's (completion tokens / ``spec_verify_ct``). With
 ``--step-costs`` (GPU only) each method's engine also runs 8B-class shapes with dummy weights
 (``--shapes``: Llama-3.1-8B, Qwen2.5-7B) at each ``--contexts`` length and ``--batches`` size: the

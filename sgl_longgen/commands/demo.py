@@ -1,17 +1,20 @@
-"""``sgl-longgen demo``: the embedded model, plain decoding vs TokenSwift, side by side."""
+"""``sgl-longgen demo``: the embedded model, plain decoding vs a speculative method, side by side."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..runtime import build_decoder, load_model, resolve_model
-from .generate import DEFAULT_PROMPT, add_model_args, resolve_config
+from .generate import DEFAULT_PROMPT, METHODS, add_model_args, resolve_config
 from .progress import TokenProgress
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="run ar and tokenswift greedily on the embedded model and compare")
+    p = sub.add_parser("demo", help="run ar and a speculative method (tokenswift) greedily on the embedded model "
+                                    "and compare")
     add_model_args(p)
+    p.add_argument("--method", default="tokenswift", choices=[m for m in METHODS if m != "ar"],
+                   help="the speculative method beside plain decoding (default: tokenswift)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.set_defaults(run=run, seed=None, ignore_eos=None, temperature=0.0, top_p=None, top_k=None, min_p=None,
@@ -22,16 +25,16 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     results = {}
     loaded = None
-    for method in ("ar", "tokenswift"):
+    for method in ("ar", args.method):
         config, dirs = resolve_config(args, model_dir, method=method)
         if loaded is None:
             loaded = load_model(model_dir, config.runtime.dtype, config.runtime.device)
             prompt_ids = loaded.tokenizer.encode(args.prompt)
-        decoder = build_decoder(loaded, config, dirs["heads"])
+        decoder = build_decoder(loaded, config, dirs["heads"], dirs["drafter"], dirs["longspec_drafter"])
         with TokenProgress(config.max_new_tokens, desc=method) as bar:
             results[method] = decoder.generate(prompt_ids, config.max_new_tokens, bar.update)
 
-    ar, ts = results["ar"], results["tokenswift"]
+    ar, ts = results["ar"], results[args.method]
     same = ar.output_ids == ts.output_ids
     print(f"model: {args.model}  prompt tokens: {len(prompt_ids)}  temperature: 0")
     print(f"{'method':<12}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'tau':>7}{'alpha':>7}  identical")

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
-from ..config import GenerateConfig, load_toml, merge
+from ..config import GenerateConfig, Method, load_toml, merge
 from ..errors import LonggenError
 from ..runtime import build_decoder, draft_dirs, layered_config, load_model, resolve_model
 from ..runtime.embedded import names as embedded_names
 from .progress import TokenProgress
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
+METHODS = list(typing.get_args(Method))  # ar (plain decoding) and every speculative method
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -45,13 +47,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("adaptive speculation")
     a.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="take a plain decode step whenever speculating is not expected to pay "
-                        "(lossless; default: off, [adaptive] enabled)")
+                        "(lossless; default: [adaptive] enabled, off except for suffix)")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate with the reference runtime (ar, tokenswift, owl, howl or longspec)")
+    p = sub.add_parser("generate", help=f"generate with the reference runtime ({', '.join(METHODS)})")
     add_model_args(p)
-    p.add_argument("--method", choices=["ar", "tokenswift", "owl", "howl", "longspec"])
+    p.add_argument("--method", choices=METHODS, help="suffix needs no draft checkpoint")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="a text file (one prompt) or JSONL ({'id', 'prompt'|'input_ids'})")

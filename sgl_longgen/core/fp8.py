@@ -14,18 +14,20 @@ Lossless by construction: the drafter only proposes. Every committed token is dr
 target by the verifier's per-node walk (:mod:`.verify`), so the rounding changes which tokens
 are proposed (acceptance), never the output or its distribution.
 
-:class:`Fp8Linear` holds one quantized matrix and computes ``x @ W.T``. On CUDA devices where
-Triton has e4m3 conversions (compute capability 8.9 and up: Ada, Hopper) that is the weight-only
-Triton GEMM of :mod:`sgl_longgen.kernels.fp8_gemm` (the matrix read as e4m3, converted in
-registers, float32 sums scaled once per output): fixed shapes and no host reads, so it is captured
-in the drafters' CUDA graphs. Everywhere else (CPU, older GPUs, float64) its twin dequantizes the
-matrix and multiplies in the activation's dtype; the twin is the reference the kernel is tested
-against.
+:class:`Fp8Linear` holds one quantized matrix and computes ``x @ W.T`` through the GEMM installed
+with :func:`use_gemm`. The core imports no kernels: until a device layer installs its GEMM that is
+the twin, which dequantizes the matrix and multiplies in the activation's dtype.
+:mod:`sgl_longgen.kernels.fp8_linear` installs, when imported, the dispatch that takes the
+weight-only Triton GEMM of :mod:`sgl_longgen.kernels.fp8_gemm` on CUDA devices where Triton has
+e4m3 conversions (compute capability 8.9 and up: Ada, Hopper; the matrix read as e4m3, converted
+in registers, float32 sums scaled once per output; fixed shapes and no host reads, so it is
+captured in the drafters' CUDA graphs) and the twin everywhere else (CPU, older GPUs, float64);
+the twin is the reference the kernel is tested against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +36,6 @@ from torch import nn
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value; beyond it a cast gives NaN, so values are clamped
 CHUNK_ROWS = 4096  # rows quantized at once: bounds the float32 transient of a 128K-row head
-
-_CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
 
 
 def quantize(weight: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,41 +76,16 @@ def reference_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> t
     return F.linear(x, dequantize(q, scale, x.dtype))
 
 
-def fp8_gemm_supported(device: torch.device) -> bool:
-    """Triton compiles e4m3 conversions for this device (CUDA, compute capability >= 8.9)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _CAPABILITY.get(index)
-    if cap is None:
-        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return cap >= (8, 9)
+# ``gemm(x, q, scale)``: ``x @ W.T`` for ``W = q * scale`` (per row), what every Fp8Linear multiplies by
+_gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = reference_linear
 
 
-def uses_fp8_gemm(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether :func:`fp8_linear` takes the Triton GEMM for these operands (else the twin)."""
-    return (x.is_cuda and q.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and fp8_gemm_supported(x.device))
-
-
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for ``W = q * scale`` (per row): the Triton GEMM where it runs, else the twin.
-
-    While ``torch.compile`` traces a step, a GEMM whose K is split returns its splits' partial sums
-    and the sum, scale and cast are traced here as plain ops: inductor unrolls a sum of a few
-    splits into the kernel that reads the product (a projection's residual add and norm), where
-    eagerly a kernel of the GEMM's own adds them, one launch of some 2 us per split GEMM (25 in a
-    LongSpec step). The same float32 sums in the same order, scaled and rounded once."""
-    if uses_fp8_gemm(x, q):
-        from ..kernels import custom_ops  # one node of a torch.compile'd drafter step
-        from ..kernels.fp8_gemm import inline_sums, partial_splits
-
-        n, k = q.shape
-        if torch.compiler.is_compiling() and inline_sums() and partial_splits(x.numel() // max(k, 1), n, k, x.device) > 1:
-            parts = custom_ops.fp8_gemm_parts(x, q, scale)
-            return (parts.sum(0) * scale).to(x.dtype)
-        return custom_ops.fp8_gemm(x, q, scale)
-    return reference_linear(x, q, scale)
+def use_gemm(gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Make ``gemm(x, q, scale)`` the product of every :class:`Fp8Linear` (the twin until then):
+    how a device layer (:mod:`sgl_longgen.kernels.fp8_linear`) brings its kernel without the core
+    importing it. ``gemm`` must be :func:`reference_linear` wherever it has no kernel of its own."""
+    global _gemm
+    _gemm = gemm
 
 
 class Fp8Linear(nn.Module):
@@ -142,7 +117,7 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale)
+        return _gemm(x, self.weight, self.scale)
 
     def _apply(self, fn, recurse=True):
         """Device moves only: a drafter-wide ``.to(dtype)`` or ``.double()`` must not turn the e4m3

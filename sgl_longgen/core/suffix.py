@@ -82,6 +82,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
@@ -141,6 +142,25 @@ class SuffixDraft:
     match_len: int = 0
 
 
+class MatchGroup(NamedTuple):
+    """Matches of the context's suffixes that share one occurrence set (see :meth:`SuffixIndex.match_groups`).
+
+    ``members``: (match length p, draft budget) of each, shortest first; ``top``: their largest
+    budget; ``bound``: the most a draft from these occurrences can score; ``own``: the
+    occurrences end the indexed sequence and the draft continues it.
+    """
+
+    bound: float
+    top: int
+    ends: np.ndarray
+    own: bool
+    members: list[tuple[int, int]]
+
+    @property
+    def longest(self) -> int:
+        return self.members[-1][0]
+
+
 class SuffixIndex:
     """Occurrence index over one or more token sequences (see the module docstring)."""
 
@@ -170,6 +190,17 @@ class SuffixIndex:
 
     def __len__(self) -> int:
         return self._seq.size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index's arrays (the tokens, the occurrence lists, the packed layer, their spare room)."""
+        return (self._seq.data.nbytes + sum(a.nbytes for a in self._ends.values()) + self._packed_tokens.nbytes
+                + self._packed_offsets.nbytes + self._packed_ends.nbytes)
+
+    @property
+    def sequence(self) -> np.ndarray:
+        """The indexed tokens, sequences separated by :data:`SENTINEL` (a view: read, never write)."""
+        return self._seq.view()
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens to the current (last) sequence."""
@@ -372,6 +403,26 @@ class SuffixIndex:
         one's, its score the prefix's sum). On a repeating stretch every p from the loop's length
         up shares one set, and the walks drop from one per p to one.
         """
+        best = SuffixDraft()
+        for group in self.match_groups(context, max_spec_tokens, max_spec_factor, max_spec_offset, own,
+                                       loop_min_tokens):
+            if group.bound < best.score or (group.bound == best.score and group.longest < best.match_len):
+                break
+            walked = self.walk(group.ends, group.top, min_token_prob, group.own)
+            scores = list(accumulate(walked.probs))
+            for p, budget in group.members:
+                n_tokens = min(budget, len(walked.tokens))
+                score = scores[n_tokens - 1] if n_tokens else 0.0
+                if score > best.score or (score == best.score and p > best.match_len):
+                    best = SuffixDraft(walked.tokens[:n_tokens], walked.probs[:n_tokens], score, p)
+        return best
+
+    def match_groups(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
+                     max_spec_offset: float, own: bool = False, loop_min_tokens: int = 0) -> list[MatchGroup]:
+        """The matches of ``context``'s suffixes with a positive budget, one group per distinct
+        occurrence set, highest :attr:`MatchGroup.bound` first (longer matches first among equals):
+        the order in which a search for the best draft walks them, stopping at the first group
+        whose bound cannot beat the best score found (see :meth:`speculate`)."""
         n = len(self)
         groups: list[tuple[np.ndarray, bool, list[tuple[int, int]]]] = []  # occurrences, own, [(p, budget)]
         for p, ends in enumerate(self.matches(context), 1):
@@ -387,7 +438,6 @@ class SuffixIndex:
                 groups[-1][2].append((p, budget))
             else:
                 groups.append((ends, mine, [(p, budget)]))
-        best = SuffixDraft()
         # A draft's j-th probability is (occurrences still on its path) / (occurrences of the
         # pattern), and an occurrence at the end of the history has no next token, so a score
         # never exceeds budget * (k - ends_at_n) / k. Highest bounds first (longer matches first
@@ -397,20 +447,9 @@ class SuffixIndex:
         for ends, mine, members in groups:
             top = max(b for _, b in members)
             k = ends.size
-            ranked.append((top * (k - int(int(ends[-1]) == n)) / k, top, ends, mine, members))
-        ranked.sort(key=lambda g: (-g[0], -g[4][-1][0]))
-        for bound, top, ends, mine, members in ranked:
-            longest = members[-1][0]
-            if bound < best.score or (bound == best.score and longest < best.match_len):
-                break
-            walked = self.walk(ends, top, min_token_prob, mine)
-            scores = list(accumulate(walked.probs))
-            for p, budget in members:
-                n_tokens = min(budget, len(walked.tokens))
-                score = scores[n_tokens - 1] if n_tokens else 0.0
-                if score > best.score or (score == best.score and p > best.match_len):
-                    best = SuffixDraft(walked.tokens[:n_tokens], walked.probs[:n_tokens], score, p)
-        return best
+            ranked.append(MatchGroup(top * (k - int(int(ends[-1]) == n)) / k, top, ends, mine, members))
+        ranked.sort(key=lambda g: (-g.bound, -g.longest))
+        return ranked
 
     def draft(self, context: Sequence[int], config: SuffixConfig, max_spec_tokens: int | None = None,
               own: bool = False) -> SuffixDraft:
@@ -422,14 +461,56 @@ class SuffixIndex:
                               own=own, loop_min_tokens=c.loop_min_tokens)
 
 
+class SuffixCorpus:
+    """Past outputs shared across requests (SuffixDecoding's global tree), in one index.
+
+    Keeps the latest ``config.global_requests`` outputs, at most ``config.global_tokens`` tokens
+    in all (an output longer than that, its last ``global_tokens``); older ones are dropped
+    first. Eviction is lazy: the index is rebuilt from the kept outputs once it holds twice as
+    many outputs or tokens as are kept, so it costs amortised O(1) per token and the index holds
+    at most twice the bound (matches may read the outputs evicted since the last rebuild).
+    """
+
+    def __init__(self, config: SuffixConfig):
+        self.config = config
+        self.max_sequences = max(1, config.global_requests)
+        self.max_tokens = config.global_tokens
+        self.index = SuffixIndex.for_config(config)
+        self._kept: deque[np.ndarray] = deque()
+        self._kept_tokens = 0
+        self._indexed_sequences = 0
+        self._indexed_tokens = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """A finished request's output joins the corpus."""
+        arr = np.array(np.asarray(tokens, dtype=np.int64).reshape(-1)[-self.max_tokens:])  # a copy: kept
+        if arr.size == 0:
+            return
+        self._kept.append(arr)
+        self._kept_tokens += arr.size
+        while len(self._kept) > self.max_sequences or self._kept_tokens > self.max_tokens:
+            self._kept_tokens -= self._kept.popleft().size
+        self.index.end_sequence()
+        self.index.extend(arr)
+        self._indexed_sequences += 1
+        self._indexed_tokens += arr.size
+        if self._indexed_sequences > 2 * self.max_sequences or self._indexed_tokens > 2 * self.max_tokens:
+            index = SuffixIndex.for_config(self.config)
+            for kept in self._kept:
+                index.end_sequence()
+                index.extend(kept)
+            self.index = index
+            self._indexed_sequences, self._indexed_tokens = len(self._kept), self._kept_tokens
+
+
 class SuffixCache:
     """Per-request local indexes (prompt + output) and an optional global index over past outputs.
 
     ``start_request`` indexes a prompt; ``extend`` adds generated tokens to the request's local
     index; ``stop_request`` drops it and, when the global index is on, adds the request's output
-    there. The global index keeps the outputs of the last ``config.global_requests`` finished
-    requests (FIFO; rebuilt once twice that many were added, so eviction is amortised O(1) per
-    token). A query keeps the better of the local and the global draft (local wins ties).
+    there (a :class:`SuffixCorpus`: the outputs of the last ``config.global_requests`` finished
+    requests, at most ``config.global_tokens`` tokens). A query keeps the better of the local and
+    the global draft (local wins ties).
     """
 
     def __init__(self, config: SuffixConfig):
@@ -437,9 +518,7 @@ class SuffixCache:
         self._local: dict[Hashable, SuffixIndex] = {}
         self._prepared: Prepared[SuffixIndex] = Prepared()  # prompts indexed ahead of their start
         self._outputs: dict[Hashable, list[int]] = {}
-        self._finished: deque[list[int]] = deque(maxlen=max(1, config.global_requests))
-        self._global: SuffixIndex | None = SuffixIndex.for_config(config) if config.global_requests else None
-        self._global_sequences = 0
+        self._corpus: SuffixCorpus | None = SuffixCorpus(config) if config.global_requests else None
 
     def prepare(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Index ``tokens``, the request's prompt as far as its prefill got (one chunk more per
@@ -451,7 +530,7 @@ class SuffixCache:
 
     def start_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
         self._local[rid] = self._grown(rid, prompt)
-        if self._global is not None:
+        if self._corpus is not None:
             self._outputs[rid] = []
 
     def _grown(self, rid: Hashable, tokens: Sequence[int]) -> SuffixIndex:
@@ -471,26 +550,16 @@ class SuffixCache:
         self._local.pop(rid, None)
         self._prepared.drop(rid)
         output = self._outputs.pop(rid, None)
-        if self._global is None or not output:
-            return
-        self._finished.append(output)
-        self._global.end_sequence()
-        self._global.extend(output)
-        self._global_sequences += 1
-        if self._global_sequences > 2 * self.config.global_requests:
-            index = SuffixIndex.for_config(self.config)
-            for tokens in self._finished:
-                index.end_sequence()
-                index.extend(tokens)
-            self._global, self._global_sequences = index, len(self._finished)
+        if self._corpus is not None and output:
+            self._corpus.add(output)
 
     def speculate(self, rid: Hashable, context: Sequence[int], max_spec_tokens: int | None = None) -> SuffixDraft:
         """The best linear draft after ``context`` (the request's committed tokens, root included)."""
         best = SuffixDraft()
         if rid in self._local:  # the request's own sequence: its draft continues it
             best = self._local[rid].draft(context, self.config, max_spec_tokens, own=True)
-        if self._global is not None:
-            other = self._global.draft(context, self.config, max_spec_tokens)
+        if self._corpus is not None:
+            other = self._corpus.index.draft(context, self.config, max_spec_tokens)
             if other.score > best.score:
                 best = other
         return best

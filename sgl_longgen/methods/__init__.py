@@ -10,7 +10,8 @@ the same for all: :func:`sgl_longgen.core.verify.draw_tree` and the per-node wal
 from .base import Draft
 from .longspec import LongSpec, LongSpecState
 from .owl import Howl, Owl, OwlState
+from .suffix import Suffix, SuffixState
 from .tokenswift import DraftView, TokenSwift, TokenSwiftState
 
-__all__ = ["Draft", "DraftView", "Howl", "LongSpec", "LongSpecState", "Owl", "OwlState", "TokenSwift",
-           "TokenSwiftState"]
+__all__ = ["Draft", "DraftView", "Howl", "LongSpec", "LongSpecState", "Owl", "OwlState", "Suffix", "SuffixState",
+           "TokenSwift", "TokenSwiftState"]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from ..config import LongSpecConfig
-from ..core.longspec import beam_tree
+from ..core.longspec_beam import beam_tree
 from ..core.owl import DraftBeam
 from .base import Draft
 

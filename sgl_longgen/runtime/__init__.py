@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import GenerateConfig, convert, load_toml, merge
+from ..config import METHOD_DEFAULTS, GenerateConfig, convert, load_toml, merge
 from ..core.heads import load_heads
-from ..core.longspec import load_drafter as load_longspec_drafter
-from ..core.longspec import target_settings
+from ..core.longspec_checkpoint import load_drafter as load_longspec_drafter
+from ..core.longspec_checkpoint import target_settings
 from ..core.owl import CONFIG_FILE as DRAFTER_CONFIG_FILE
 from ..core.owl import load_drafter
 from ..errors import LonggenError
@@ -27,11 +27,12 @@ from .embedded import (
 )
 from .longspec import LongSpecDecoder
 from .owl import HowlDecoder, OwlDecoder
+from .suffix import SuffixDecoder
 from .tokenswift import TokenSwiftDecoder
 
 __all__ = [
     "ARDecoder", "Decoder", "GenerationResult", "HowlDecoder", "LoadedModel", "LongSpecDecoder", "OwlDecoder",
-    "DRAFT_FIELD", "TokenSwiftDecoder", "build_decoder", "default_drafter_dir", "default_heads_dir",
+    "DRAFT_FIELD", "SuffixDecoder", "TokenSwiftDecoder", "build_decoder", "default_drafter_dir", "default_heads_dir",
     "default_longspec_dir", "draft_dirs", "layered_config",
     "load_model", "resolve_model",
 ]
@@ -81,19 +82,22 @@ def draft_dirs(model_dir: Path | None, given: dict[str, Any]) -> dict[str, Path 
 
 
 def layered_config(dirs: dict[str, Path | None], settings: dict[str, Any], source: str) -> GenerateConfig:
-    """Built-in defaults < the heads' ``longgen.toml`` < (owl, howl, longspec) the method's drafter's
-    ``longgen.toml`` < ``settings``. The heads ship with the model, so their defaults hold for every
-    method; a drafter's only for the methods that draft with it, and the method is known only once
-    the lower layers are read."""
+    """Built-in defaults < the method's own (:data:`~sgl_longgen.config.METHOD_DEFAULTS`) < the
+    heads' ``longgen.toml`` < (owl, howl, longspec) the method's drafter's ``longgen.toml`` <
+    ``settings``. The heads ship with the model, so their defaults hold for every method; a
+    drafter's only for the methods that draft with it, and the method is known only once the lower
+    layers are read."""
     def layer(base: dict[str, Any], directory: Path | None) -> dict[str, Any]:
         f = heads_defaults_file(directory)
         return merge(base, load_toml(f)) if f is not None else base
 
     base = layer({}, dirs.get("heads"))
     config = convert(merge(base, settings), GenerateConfig, source)
+    own = METHOD_DEFAULTS.get(config.method, {})
     field = DRAFT_FIELD.get(config.method)
-    if field is not None and field != "heads" and heads_defaults_file(dirs.get(field)) is not None:
-        config = convert(merge(layer(base, dirs.get(field)), settings), GenerateConfig, source)
+    drafter = dirs.get(field) if field is not None and field != "heads" else None
+    if own or heads_defaults_file(drafter) is not None:
+        config = convert(merge(layer(merge(own, base), drafter), settings), GenerateConfig, source)
     return config
 
 
@@ -122,6 +126,8 @@ def build_decoder(loaded: LoadedModel, config: GenerateConfig, heads_dir: Path |
                                f"({Path(drafter_dir) / DRAFTER_CONFIG_FILE}); set owl.spec = false")
         cls = OwlDecoder if config.method == "owl" else HowlDecoder
         return cls(loaded, config, drafter)
+    if config.method == "suffix":
+        return SuffixDecoder(loaded, config)
     if config.method == "longspec":
         longspec_dir = longspec_dir or default_longspec_dir(loaded.path)
         if longspec_dir is None:

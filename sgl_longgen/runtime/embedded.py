@@ -1,6 +1,7 @@
 """Embedded models: small HF-format checkpoints shipped with the package or built locally.
 
-Nothing is downloaded. ``tiny`` is a trained proxy (a small Llama trained on Python's standard
+Nothing is downloaded here (models fetched on request, such as ``smollm2``, are named here too,
+resolved through :mod:`.fetched`). ``tiny`` is a trained proxy (a small Llama trained on Python's standard
 library, with trained TokenSwift heads) when the package ships it; the random-init models are for
 fast tests. A random-init model is a deterministic function of its spec and seed, so
 every machine builds the same weights; the directory is a real HF checkpoint (config.json,
@@ -25,6 +26,7 @@ from ..core.heads import TokenSwiftHeads
 from ..core.longspec import LongSpecDrafter
 from ..core.owl import OwlDrafter
 from ..errors import LonggenError
+from . import fetched
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 HEADS_SUBDIR = "tokenswift-heads"
@@ -89,7 +91,12 @@ ALIASES = {"tiny": "tiny-random"}
 
 
 def names() -> list[str]:
-    return sorted({*SPECS, *SHIPPED, *ALIASES})
+    return sorted({*SPECS, *SHIPPED, *ALIASES, *fetched.MODELS})
+
+
+def is_name(name: str) -> bool:
+    """Whether ``name`` is a model name (resolved by :func:`resolve_model`), not a path."""
+    return name in SPECS or name in SHIPPED or name in ALIASES or name in fetched.MODELS
 
 
 def shipped_model(name: str) -> Path | None:
@@ -108,7 +115,8 @@ def cache_root() -> Path:
 
 
 def resolve_model(name_or_dir: str | Path) -> Path:
-    """An embedded model's directory (built if needed) or an existing checkpoint directory."""
+    """An embedded model's directory (built if needed), a fetched model's (an error naming the
+    command that fetches it, while it is not there) or an existing checkpoint directory."""
     name = str(name_or_dir)
     shipped = shipped_model(name)
     if shipped is not None:
@@ -120,6 +128,8 @@ def resolve_model(name_or_dir: str | Path) -> Path:
         if not (target / "config.json").is_file():
             build_random(target, spec)
         return target
+    if name in fetched.MODELS:
+        return fetched.require(name)
     path = Path(name_or_dir)
     if not path.is_dir():
         raise LonggenError(f"model directory not found: {path} (embedded models: {', '.join(names())})")

@@ -8,7 +8,7 @@ reading the target cache's last layer at the committed positions ``[0, L)`` only
 over the full KV with the ancestor mask. One draw per node and the walk decide what is
 committed (:func:`~sgl_longgen.core.verify.verify_tree`), so the output is plain decoding's.
 A drafter with a reduced draft vocabulary scores only its mapped tokens, through the target's LM
-head rows gathered once here (:func:`~sgl_longgen.core.longspec.draft_head`); that changes what is
+head rows gathered once here (:func:`~sgl_longgen.core.longspec_weights.draft_head`); that changes what is
 drafted, never what is committed. So do ``[longspec] weights = "fp8"`` (the block's matrices and
 its head quantized once here, multiplied through the fp8 twin on a CPU).
 """
@@ -20,17 +20,13 @@ import time
 import torch
 
 from ..config import GenerateConfig
-from ..core.longspec import (
-    LongSpecDrafter,
-    WindowCache,
-    draft_head,
-    expand,
-    quantize_fp8,
-    target_settings,
-    verify_width,
-)
+from ..core.longspec import LongSpecDrafter
+from ..core.longspec_beam import WindowCache, expand, verify_width
+from ..core.longspec_checkpoint import target_settings
+from ..core.longspec_weights import draft_head, quantize_fp8
 from ..core.verify import Verdict, verify_tree
 from ..errors import LonggenError
+from ..kernels import fp8_linear  # noqa: F401 (installs the fp8 GEMM of the device for the drafter's fp8 matrices)
 from ..methods import Draft, LongSpec
 from .checkpoint import LoadedModel
 from .decoder import Decoder

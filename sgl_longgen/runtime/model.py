@@ -27,15 +27,26 @@ from torch import nn
 
 from ..core.nn import RMSNorm
 from ..core.partial_kv import gqa_importance
+from ..core.rope_config import DEFAULT_THETA, rope_settings
 from ..core.verify_scores import mean_logits
 from ..errors import LonggenError
 from .kv_cache import KVCache
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ROPE_TYPES = ("default", "llama3")
+QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default: Qwen2 layers from this index on slide, when sliding is on
 
 
 class ModelConfig(msgspec.Struct, kw_only=True):
-    """The subset of a HF ``config.json`` this runtime reads."""
+    """The subset of a HF ``config.json`` this runtime reads.
+
+    RoPE comes in either spelling (:mod:`sgl_longgen.core.rope_config`): after parsing,
+    ``rope_theta`` and ``rope_scaling`` hold the model's settings whether transformers 4 wrote them
+    at the top level or transformers 5 in ``rope_parameters`` (folded into them, then cleared, so
+    the two fields are the one place to read or change; ``rope_origin`` remembers which field
+    held them, for error messages). The fields after ``eos_token_id`` are read only so that
+    :meth:`validate` can refuse a model whose math this runtime would get wrong by ignoring them.
+    """
 
     architectures: list[str] = msgspec.field(default_factory=lambda: ["LlamaForCausalLM"])
     model_type: str = "llama"
@@ -47,8 +58,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope_theta: float = DEFAULT_THETA
     rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -56,6 +68,21 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    partial_rotary_factor: float | None = None
+    use_sliding_window: bool | None = None
+    sliding_window: int | None = None
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    quantization_config: dict[str, Any] | None = None
+    rope_origin: str = "rope_scaling"  # not a HF field: where the RoPE table came from
+
+    def __post_init__(self) -> None:
+        if self.rope_parameters:
+            self.rope_origin = "rope_parameters"
+        self.rope_theta, self.rope_scaling = rope_settings(self)
+        self.rope_parameters = None
 
     @property
     def n_kv_heads(self) -> int:
@@ -68,6 +95,11 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     @property
     def qkv_bias(self) -> bool:
         return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Llama's ``attention_bias`` covers the output projection too; Qwen2's never has one."""
+        return self.model_type == "llama" and self.attention_bias
 
     @property
     def eos_ids(self) -> list[int]:
@@ -83,9 +115,43 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             raise LonggenError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
             raise LonggenError(f"{source}: unsupported hidden_act {self.hidden_act!r}")
-        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise LonggenError(f"{source}: unsupported rope_scaling type {rope_type!r}")
+        problem = self.unsupported_field()
+        if problem is not None:
+            field_name, value, what = problem
+            raise LonggenError(f"{source}: {field_name} = {value!r} is not supported by the reference runtime ({what})")
+
+    def unsupported_field(self) -> tuple[str, Any, str] | None:
+        """The first field whose value changes the model's math in a way this runtime does not
+        compute: ``(field, value, what it would change)``, or None."""
+        table = self.rope_origin
+        rope = self.rope_scaling or {}
+        kind = rope.get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            return f"{table}.rope_type", kind, f"supported RoPE types: {', '.join(ROPE_TYPES)}"
+        if kind == "llama3" and "factor" not in rope:
+            return f"{table}.factor", None, "rope_type 'llama3' needs its scaling factor"
+        rotary = rope.get("partial_rotary_factor")
+        field_name = f"{table}.partial_rotary_factor"
+        if rotary is None:
+            rotary, field_name = self.partial_rotary_factor, "partial_rotary_factor"
+        if rotary is not None and float(rotary) != 1.0:
+            return field_name, rotary, "RoPE on part of each head"
+        if self.quantization_config:
+            method = self.quantization_config.get("quant_method")
+            if method:
+                return "quantization_config.quant_method", method, "quantized weights; give an unquantized checkpoint"
+            return "quantization_config", self.quantization_config, "quantized weights; give an unquantized checkpoint"
+        for i, layer_type in enumerate(self.layer_types or []):
+            if layer_type != "full_attention":
+                return f"layer_types[{i}]", layer_type, "every layer attends to the whole context here"
+        first_sliding = QWEN2_MAX_WINDOW_LAYERS if self.max_window_layers is None else self.max_window_layers
+        if self.model_type == "qwen2" and self.use_sliding_window and self.sliding_window is not None \
+                and first_sliding < self.num_hidden_layers:
+            return "use_sliding_window", True, f"sliding-window attention (sliding_window = {self.sliding_window})"
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None:
+                return name, getattr(self, name), "logit soft-capping"
+        return None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -145,7 +211,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.d, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = 1.0 / math.sqrt(self.d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, spec: ForwardSpec) -> torch.Tensor:

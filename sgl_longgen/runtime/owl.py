@@ -26,6 +26,7 @@ from ..config import GenerateConfig
 from ..core.owl import OwlDrafter, expand, quantize_fp8, verify_width
 from ..core.verify import Verdict, verify_tree
 from ..errors import LonggenError
+from ..kernels import fp8_linear  # noqa: F401 (installs the fp8 GEMM of the device for the drafter's fp8 matrices)
 from ..methods import Draft, Howl, Owl
 from .checkpoint import LoadedModel
 from .decoder import PREFILL_CHUNK, Decoder, GenerationResult, ProgressFn

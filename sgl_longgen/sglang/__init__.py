@@ -17,6 +17,7 @@ processes. It must stay cheap: the workers are imported only when a scheduler bu
 ``pipeline``       the draft forward queued ahead of the step that uses it
 ``owl``            OWL's and HOWL's drafters: hidden states in, [SPEC] embeddings out
 ``longspec``       LONGSPEC's drafter: a window ring per request, cross-attention into the KV pool
+``suffix``         SUFFIX's drafter: trees from the requests' own text on the host, no draft model
 ``adaptive``       adaptive speculation: each step plain or speculative, runs of plain steps
 ``backends``       ``longgen`` (hybrid tree attention) and ``longgen_torch`` attention backends
 ``timing``         opt-in per-request step timing (``custom_params``)

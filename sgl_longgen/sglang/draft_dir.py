@@ -3,7 +3,9 @@
 TOKENSWIFT reads a heads checkpoint (``heads.json`` + ``heads.safetensors``), OWL and HOWL an LSTM
 drafter (``owl.json`` + ``owl.safetensors``), LONGSPEC a one-block drafter (``longspec.json`` +
 ``longspec.safetensors``); each may carry a ``longgen.toml`` with the checkpoint's defaults (tree,
-n-gram, partial KV, OWL/suffix/HOWL/LongSpec settings, penalty). Every problem
+n-gram, partial KV, OWL/suffix/HOWL/LongSpec settings, penalty). SUFFIX has no checkpoint: its
+directory is optional and holds only a ``longgen.toml`` (its ``[suffix]``, ``[adaptive]`` and
+penalty settings). Every problem
 is reported naming the file while the server is still starting, instead of as a tensor-shape
 error deep inside a scheduler process. Only file headers are read here.
 """
@@ -14,12 +16,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import GenerateConfig, convert, load_toml
+from ..config import GenerateConfig, convert, load_toml, with_method_defaults
 from ..core.heads import check_heads
-from ..core.longspec import check_drafter as check_longspec_drafter
-from ..core.longspec import check_target, rope_settings
-from ..core.longspec import read_drafter_config as read_longspec_config
+from ..core.longspec_checkpoint import check_drafter as check_longspec_drafter
+from ..core.longspec_checkpoint import check_target
+from ..core.longspec_checkpoint import read_drafter_config as read_longspec_config
 from ..core.owl import check_drafter
+from ..core.rope_config import rope_settings
 from ..errors import LonggenError
 
 DEFAULTS_FILE = "longgen.toml"
@@ -27,8 +30,8 @@ DEFAULTS_FILE = "longgen.toml"
 
 @dataclass
 class DraftDir:
-    path: Path
-    checkpoint: dict  # heads.json, owl.json or longspec.json
+    path: Path | None  # None: SUFFIX without a settings directory
+    checkpoint: dict  # heads.json, owl.json or longspec.json ({} for SUFFIX)
     defaults: GenerateConfig  # the server reads its method tables and sampling.penalty*
 
 
@@ -96,9 +99,25 @@ def inspect_longspec_draft_dir(path: str | Path | None, model_path: str | Path) 
     """LONGSPEC: a drafter block for the target's shape and RoPE (checked against its config.json
     where the model is a local directory; the worker checks SGLang's parsed config again) and, with
     a reduced draft vocabulary, its ``token_map`` (N distinct ids inside the vocabulary, N as
-    ``draft_vocab_size`` says: :func:`sgl_longgen.core.longspec.check_drafter`)."""
+    ``draft_vocab_size`` says: :func:`sgl_longgen.core.longspec_checkpoint.check_drafter`)."""
     path = _require(path, "LONGSPEC", "longspec.json and longspec.safetensors")
     target = target_config(model_path)
     if target:  # first: a drafter for another model is named as such, not by a tensor shape
         check_target(path, read_longspec_config(path), longspec_target(target))
     return DraftDir(path, check_longspec_drafter(path), read_defaults(path))
+
+
+def inspect_suffix_draft_dir(path: str | Path | None, model_path: str | Path) -> DraftDir:
+    """SUFFIX: no checkpoint. ``path`` (optional) is a directory whose ``longgen.toml`` holds the
+    server's settings, over SUFFIX's own defaults (adaptive speculation on)."""
+    data: dict = {}
+    source = "SUFFIX's defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_dir():
+            raise LonggenError(f"SUFFIX needs no draft model: --speculative-draft-model-path, when given, is a "
+                               f"directory with its settings in a {DEFAULTS_FILE}; {path} is not a directory")
+        f = path / DEFAULTS_FILE
+        if f.is_file():
+            data, source = load_toml(f), str(f)
+    return DraftDir(path, {}, convert(with_method_defaults({**data, "method": "suffix"}), GenerateConfig, source))

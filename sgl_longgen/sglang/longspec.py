@@ -1,11 +1,11 @@
 """LONGSPEC's drafter on SGLang: one drafter block whose memory per request does not grow with the context.
 
-Per step the requests that draft go through one batched beam (:func:`sgl_longgen.core.longspec.expand_rings`,
+Per step the requests that draft go through one batched beam (:func:`sgl_longgen.kernels.longspec_step.expand_rings`,
 one block forward per level for the whole batch), run by the shared method
 (:class:`sgl_longgen.methods.LongSpec`: what each request's ring must be fed, the trie from the beam):
 
 * the **self-attention** reads each request's window ring (a row of the drafter's
-  :class:`~sgl_longgen.core.longspec.RingPool`, ``window`` tokens, taken at its first draft and
+  :class:`~sgl_longgen.kernels.longspec_step.RingPool`, ``window`` tokens, taken at its first draft and
   given back when it leaves): the drafter's only memory per request, fixed whatever the context
   grows to. A step's few new tokens are written into the rings inside the step itself; only a
   longer feed (a request's first draft) is written eagerly before it;
@@ -25,7 +25,7 @@ one block forward per level for the whole batch), run by the shared method
 * with ``[longspec] weights = "fp8"`` (the draft directory's ``longgen.toml``) the block's
   matrices are quantized once here and the head is an fp8 copy of the target's (or of its mapped
   rows) that the drafter owns, the target keeping its own; the graphed step multiplies by them
-  through the fp8 GEMM (:mod:`sgl_longgen.core.fp8`).
+  through the device's fp8 GEMM (:mod:`sgl_longgen.kernels.fp8_linear`).
 
 While the step computes, the host does what the verify needs that the tries do not change (the
 worker's shadow) and warms the trie building on the last beam; then it waits once for the beam's
@@ -45,23 +45,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core.longspec import (
-    DEFAULT_FEED,
-    Attend,
-    BeamPlan,
-    RingPool,
-    beam_of_rows,
-    beam_tree,
-    check_target,
-    draft_head,
-    expand_rings,
-    feed_rings,
-    fuse_projections,
-    load_drafter,
-    quantize_fp8,
-)
+from ..core.longspec_beam import beam_of_rows, beam_tree
+from ..core.longspec_checkpoint import check_target, load_drafter
+from ..core.longspec_weights import draft_head, fuse_projections, quantize_fp8
 from ..core.owl import DraftBeam
 from ..errors import LonggenError
+from ..kernels.longspec_step import DEFAULT_FEED, Attend, BeamPlan, RingPool, expand_rings, feed_rings
 from ..methods import Draft, LongSpec, LongSpecState
 from . import compat
 from .buffers import Staging
@@ -214,13 +203,13 @@ def kernel_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, indptr: tor
 
 
 class GraphedBeam:
-    """A batch's step (``fn``: :func:`~sgl_longgen.core.longspec.expand_rings` over fixed-shape
+    """A batch's step (``fn``: :func:`~sgl_longgen.kernels.longspec_step.expand_rings` over fixed-shape
     inputs: the steady ring feed and the beam) replayed as one CUDA graph per batch size: the eager
     step is some hundred small kernel launches and host work per level (23 ms for one request on
     an H100, at 4K as at 98K).
 
     A batch size's first replay is checked against the eager beam on the same inputs (the same
-    kernels run, so the first output, :func:`~sgl_longgen.core.longspec.beam_rows`'s tokens,
+    kernels run, so the first output, :func:`~sgl_longgen.core.longspec_beam.beam_rows`'s tokens,
     parents, depths and flags, must agree exactly); a failed capture or a disagreement is logged
     once and the eager beam serves from then on. Lossless either way: the beam only proposes.
 

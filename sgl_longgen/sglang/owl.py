@@ -19,8 +19,8 @@ takes it if its batch and its requests' routes are the ones it was expanded for.
 
 With ``[owl] weights = "fp8"`` in the drafter directory's ``longgen.toml`` the drafter's
 projections and head are quantized once here (:mod:`sgl_longgen.core.fp8`) and every beam, the
-graphed fused one included, multiplies by them through the fp8 GEMM (lossless: only the drafts
-change).
+graphed fused one included, multiplies by them through the device's fp8 GEMM
+(:mod:`sgl_longgen.kernels.fp8_linear`; lossless: only the drafts change).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from ..core.owl import GraphedExpand, load_drafter, quantize_fp8, verify_width
 from ..core.verify import Verdict
 from ..errors import LonggenError
+from ..kernels import fp8_linear  # noqa: F401 (installs the fp8 GEMM of the device for the drafter's fp8 matrices)
 from ..methods import Draft, Howl, Owl
 from .draft_dir import inspect_owl_draft_dir
 from .drafter import Drafter, Shadow

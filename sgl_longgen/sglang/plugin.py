@@ -87,7 +87,7 @@ def _howl_widths(draft) -> tuple[int, int, int]:
 
 
 def _longspec_widths(draft) -> tuple[int, int, int]:
-    from ..core.longspec import verify_width
+    from ..core.longspec_beam import verify_width
 
     c = draft.defaults.longspec
     return verify_width(c.widths, c.tree_size), len(c.widths), max(c.widths)

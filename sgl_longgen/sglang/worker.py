@@ -5,8 +5,8 @@ request's first step will need from the prompt so far (:meth:`Drafter.prepare`: 
 indexes, milliseconds of host time that would otherwise keep the device waiting at that step).
 A decode step is, in order (:meth:`SpecWorker.decode`):
 
-1. **draft**: the algorithm's drafter (:mod:`.tokenswift`, :mod:`.owl`, :mod:`.longspec`) proposes one trie per
-   request from its method's state;
+1. **draft**: the algorithm's drafter (:mod:`.tokenswift`, :mod:`.owl`, :mod:`.longspec`,
+   :mod:`.suffix`) proposes one trie per request from its method's state;
 2. **verify**: the padded tries go through one TARGET_VERIFY forward of the target (:mod:`.verify`);
 3. **draw and walk**: queued on the device behind it, one draw per node, the walk and the commit
    of each walked path's KV; the host reads the draws back, repeats the walk and checks it;
@@ -136,6 +136,10 @@ def drafter_for(algorithm: str, env: WorkerEnv) -> Drafter:
         from .longspec import LongSpecDrafter
 
         return LongSpecDrafter(env)
+    if algorithm == "SUFFIX":
+        from .suffix import SuffixDrafter
+
+        return SuffixDrafter(env)
     raise ValueError(f"no drafter for speculative algorithm {algorithm!r}")
 
 

@@ -40,12 +40,8 @@ import torch.nn.functional as F
 from msgspec import Meta
 
 from ..config import Strict
-from ..core.longspec import (
-    LongSpecDrafter,
-    apply_rope,
-    rope_tables,
-    sample_anchor_offset,
-)
+from ..core.longspec import LongSpecDrafter
+from ..core.longspec_rope import apply_rope, rope_tables, sample_anchor_offset
 from ..errors import LonggenError
 from ..runtime.checkpoint import load_model
 from ..runtime.embedded import DEFAULTS_FILE, cache_root, resolve_model

@@ -27,14 +27,15 @@ def tiny():
 def test_each_method_runs_as_its_algorithm_with_the_jobs_settings(tiny, method):
     model, dirs = tiny
     config = effective_config({**GENERATION, "method": method}, dirs)
-    checkpoint = dirs[DRAFT_FIELD[method]]
-    assert checkpoint is not None and checkpoint.is_dir()
+    checkpoint = dirs[DRAFT_FIELD[method]] if method != "suffix" else None  # SUFFIX has no checkpoint
+    assert checkpoint is None or checkpoint.is_dir()
     draft = draft_dir_for(checkpoint, config)
     kw = engine_kwargs(str(model), str(draft), config, 1, {"context_length": 4096})
     assert kw["speculative_algorithm"] == SPECULATIVE_ALGORITHMS[method]
     assert kw["speculative_draft_model_path"] == str(draft) and kw["context_length"] == 4096
     # The checkpoint's files are there, its own longgen.toml replaced by the job's settings.
-    assert {f.name for f in checkpoint.iterdir()} <= {f.name for f in draft.iterdir()}
+    assert {f.name for f in checkpoint.iterdir()} <= {f.name for f in draft.iterdir()} if checkpoint else \
+        {f.name for f in draft.iterdir()} == {"longgen.toml"}
     back = read_defaults(draft)
     for table in ("tokenswift", "owl", "suffix", "howl", "longspec"):
         assert getattr(back, table) == getattr(config, table), table
@@ -52,6 +53,12 @@ def test_a_method_without_its_draft_checkpoint_is_refused_naming_the_field(tiny,
     config = effective_config({"method": method}, {})
     with pytest.raises(LonggenError, match=f"set `{field}`"):
         engine_kwargs(str(tiny[0]), None, config, 1, {})
+
+
+def test_suffix_needs_no_draft_checkpoint(tiny):
+    config = effective_config({"method": "suffix"}, {})
+    kw = engine_kwargs(str(tiny[0]), None, config, 1, {})
+    assert kw["speculative_algorithm"] == "SUFFIX" and "speculative_draft_model_path" not in kw
 
 
 def test_plain_decoding_takes_no_algorithm(tiny):

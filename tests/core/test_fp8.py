@@ -16,13 +16,10 @@ from sgl_longgen.core.fp8 import (
     E4M3_MAX,
     Fp8Linear,
     dequantize,
-    fp8_gemm_supported,
-    fp8_linear,
     linear,
     quantize,
     quantize_linears,
     reference_linear,
-    uses_fp8_gemm,
 )
 from sgl_longgen.errors import LonggenError
 
@@ -80,6 +77,7 @@ def test_the_twin_is_a_float_matmul_by_the_dequantized_matrix(dtype):
 def test_the_twin_serves_on_a_cpu(monkeypatch):
     """The Triton GEMM is for CUDA devices only: on a CPU the twin always serves."""
     from sgl_longgen.kernels import fp8_gemm
+    from sgl_longgen.kernels.fp8_linear import fp8_gemm_supported, fp8_linear, uses_fp8_gemm
 
     layer = Fp8Linear.quantize(matrix(32, 32))
     x = torch.randn(4, 32, dtype=torch.bfloat16)

@@ -15,26 +15,19 @@ import torch
 from helpers import path_nodes
 from safetensors.torch import load_file, save_file
 
-from sgl_longgen.core.longspec import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    CrossAttention,
-    LongSpecDrafter,
+from sgl_longgen.core.longspec import CONFIG_FILE, WEIGHTS_FILE, CrossAttention, LongSpecDrafter
+from sgl_longgen.core.longspec_beam import (
     WindowCache,
-    anchor_offset_positions,
     beam_of_rows,
     beam_rows,
     beam_tree,
-    check_drafter,
-    draft_head,
     expand,
-    load_drafter,
-    rope_tables,
-    sample_anchor_offset,
     select_nodes,
     select_nodes_batched,
-    target_settings,
 )
+from sgl_longgen.core.longspec_checkpoint import check_drafter, load_drafter, target_settings
+from sgl_longgen.core.longspec_rope import anchor_offset_positions, rope_tables, sample_anchor_offset
+from sgl_longgen.core.longspec_weights import draft_head
 from sgl_longgen.core.owl import DraftBeam
 from sgl_longgen.core.tree import Source
 from sgl_longgen.errors import LonggenError
@@ -515,12 +508,8 @@ def test_the_batched_step_is_each_requests_beam_step_after_step(window, widths, 
     what each one committed since its last (1 to 9 tokens): every row of the batched step is what
     :func:`expand` builds for that request alone, and every ring holds what that request's own
     ring holds. The pool starts too small and grows under the rings."""
-    from sgl_longgen.core.longspec import (
-        RingPool,
-        expand_batch,
-        fuse_projections,
-        quantize_fp8,
-    )
+    from sgl_longgen.core.longspec_weights import fuse_projections, quantize_fp8
+    from sgl_longgen.kernels.longspec_step import RingPool, expand_batch
 
     net, d = target(), drafter(window)
     if fp8:
@@ -563,7 +552,7 @@ def test_the_batched_step_is_each_requests_beam_step_after_step(window, widths, 
 def test_a_step_feeds_its_last_tokens_and_the_rest_goes_first():
     """The packed rows: a feed longer than the step's width leaves its earlier tokens to the eager
     part; padding repeats the root and is written to the scratch ring (recording no position)."""
-    from sgl_longgen.core.longspec import BeamPlan
+    from sgl_longgen.kernels.longspec_step import BeamPlan
 
     plan = BeamPlan([2, 3, 3], 5, vocab=40, window=8, feed=3, kv_heads=2, head_dim=8, dtype=torch.float64,
                     device="cpu")
@@ -588,7 +577,7 @@ def test_a_step_feeds_its_last_tokens_and_the_rest_goes_first():
 
 
 def test_the_ring_pool_grows_keeping_its_rings_and_hands_out_empty_ones():
-    from sgl_longgen.core.longspec import RingPool
+    from sgl_longgen.kernels.longspec_step import RingPool
 
     pool = RingPool(2, 4, 3, torch.float32, "cpu", capacity=2)
     a, b = pool.take(), pool.take()
@@ -610,7 +599,7 @@ def test_the_ring_pool_grows_keeping_its_rings_and_hands_out_empty_ones():
 def test_best_children_are_the_best_of_all_children():
     """Each row's top first, then the best of those: the flattened level's top ``width`` (the same
     pairs without ties; with ties the same scores, from pairs that really score them)."""
-    from sgl_longgen.core.longspec import best_children
+    from sgl_longgen.core.longspec_beam import best_children
 
     g = torch.Generator().manual_seed(0)
     for B, n, V, width in ((3, 4, 50, 16), (2, 16, 40, 16), (1, 3, 5, 15), (2, 1, 30, 4)):
@@ -634,7 +623,8 @@ def test_best_children_are_the_best_of_all_children():
 
 
 def test_the_steps_rope_is_apply_rope_bit_for_bit():
-    from sgl_longgen.core.longspec import _rope, apply_rope
+    from sgl_longgen.core.longspec_rope import apply_rope
+    from sgl_longgen.kernels.longspec_step import _rope
 
     g = torch.Generator().manual_seed(1)
     cos, sin = rope_tables(torch.rand(8, dtype=torch.float64), torch.arange(5), torch.float32)  # [5, 16]
@@ -649,12 +639,12 @@ def test_the_steps_rope_is_apply_rope_bit_for_bit():
 def test_fused_projections_are_the_blocks_weights():
     """Fusing makes the q/k/v (gate/up) weights views of one matrix: the state is unchanged, a
     load writes through to the fused matrix, and a drafter moved afterwards runs unfused."""
-    from sgl_longgen.core.longspec import _fused, fuse_projections
+    from sgl_longgen.core.longspec_weights import fuse_projections, fused_matrices
 
     d = drafter()
     before = {k: v.clone() for k, v in d.state_dict().items()}
     fuse_projections(d)
-    qkv, gate_up = _fused(d)
+    qkv, gate_up = fused_matrices(d)
     assert all(torch.equal(before[k], v) for k, v in d.state_dict().items())
     a = d.self_attn
     assert torch.equal(qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
@@ -662,9 +652,9 @@ def test_fused_projections_are_the_blocks_weights():
     d.load_state_dict({**before, "self_attn.v_proj.weight": before["self_attn.v_proj.weight"] + 1})
     assert torch.equal(qkv[-a.v_proj.weight.shape[0]:], before["self_attn.v_proj.weight"] + 1)
     d.float()
-    assert _fused(d) is None
+    assert fused_matrices(d) is None
     fuse_projections(d)
-    assert _fused(d)[0].dtype == torch.float32
+    assert fused_matrices(d)[0].dtype == torch.float32
 
 
 def test_fp8_weights_keep_one_copy_and_fuse_with_their_scales():
@@ -672,12 +662,7 @@ def test_fp8_weights_keep_one_copy_and_fuse_with_their_scales():
     fuses the fp8 layers again, rows and scales (a per-row scale makes the fused matrix the
     quantization of the concatenation); a later dtype change leaves them fused."""
     from sgl_longgen.core.fp8 import Fp8Linear, quantize
-    from sgl_longgen.core.longspec import (
-        FP8_LAYERS,
-        _fused,
-        fuse_projections,
-        quantize_fp8,
-    )
+    from sgl_longgen.core.longspec_weights import FP8_LAYERS, fuse_projections, fused_matrices, quantize_fp8
 
     d = drafter()
     a = d.self_attn
@@ -686,12 +671,12 @@ def test_fp8_weights_keep_one_copy_and_fuse_with_their_scales():
     quantize_fp8(d)
     assert all(isinstance(d.get_submodule(name), Fp8Linear) for name in FP8_LAYERS)
     assert not [p for p in d.parameters() if p.dim() == 2]  # no full-precision matrix is left
-    qkv, gate_up = _fused(d)
+    qkv, gate_up = fused_matrices(d)
     assert isinstance(qkv, Fp8Linear) and gate_up.out_features == 2 * d.intermediate_size
     assert torch.equal(qkv.weight.float(), want[0].float()) and torch.equal(qkv.scale, want[1])
     assert torch.equal(a.v_proj.scale, qkv.scale[-a.v_proj.out_features:])
     d.float()
-    assert _fused(d)[0] is qkv and a.q_proj.weight.dtype == torch.float8_e4m3fn
+    assert fused_matrices(d)[0] is qkv and a.q_proj.weight.dtype == torch.float8_e4m3fn
     net = target()
     head = draft_head(d, net.lm_head.weight, net.lm_head, fp8=True)
     assert isinstance(head, Fp8Linear) and head.out_features == d.vocab_size

@@ -27,13 +27,8 @@ from sgl_longgen.kernels.fp8_gemm import (
     tma_possible,
 )
 
-from sgl_longgen.core.fp8 import (
-    Fp8Linear,
-    fp8_gemm_supported,
-    quantize,
-    reference_linear,
-    uses_fp8_gemm,
-)
+from sgl_longgen.core.fp8 import Fp8Linear, quantize, reference_linear
+from sgl_longgen.kernels.fp8_linear import fp8_gemm_supported, uses_fp8_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}

@@ -66,7 +66,7 @@ def test_the_order_holds_across_signs_zeros_and_extremes():
     assert torch.allclose(val, want_val, atol=1e-5, rtol=1e-5)  # the sums' order aside, at 3e38 too
     zeros = (logits[2] == 0).nonzero().flatten()[:16].tolist()
     assert idx[2].tolist() == zeros  # +0.0 and -0.0 alike, by index
-    from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
+    from sgl_longgen.core.longspec_beam import best_of_rows as torch_best_of_rows
     from sgl_longgen.kernels.longspec_topk import best_of_rows
 
     top = special[torch.randint(len(special), (2, 4, 8), generator=g)].to(DEVICE)
@@ -81,7 +81,7 @@ def test_both_selections_are_the_twin(bitonic, monkeypatch):
     """The repeated max (the interpreter's) and Triton's bitonic top-k (a GPU's) select the same
     keys: ties over chunks and rows, masked tokens, the level's pick (small shapes: the
     interpreter pays for every compare-exchange of the bitonic network)."""
-    from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
+    from sgl_longgen.core.longspec_beam import best_of_rows as torch_best_of_rows
     from sgl_longgen.kernels import longspec_topk
     from sgl_longgen.kernels.longspec_topk import best_of_rows
 
@@ -113,7 +113,7 @@ def test_a_beam_level_from_the_kernel_is_the_level_from_pytorch():
     """What the beam does with the kernel's output (``[B, n, k]`` values and ids, then the best
     ``width`` of the level) picks the same children with the same scores as from the full
     log-softmax."""
-    from sgl_longgen.core.longspec import best_children, best_of_rows
+    from sgl_longgen.core.longspec_beam import best_children, best_of_rows
 
     g = torch.Generator().manual_seed(3)
     B, n, vocab, width = 2, 16, 3000, 16
@@ -130,7 +130,7 @@ def test_the_level_pick_is_its_twin_and_the_beams_pick(B, n, k, width):
     """The level's best ``width`` of ``n * k`` candidates: the CPU beam's pick (its twin), the same
     children in the same order with the same float32 sums, and the same set and scores as one
     ``torch.topk`` over the flattened candidates."""
-    from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
+    from sgl_longgen.core.longspec_beam import best_of_rows as torch_best_of_rows
     from sgl_longgen.kernels.longspec_topk import best_of_rows
 
     g = torch.Generator().manual_seed(B * 100 + n * 10 + k)
@@ -150,7 +150,7 @@ def test_the_level_pick_is_its_twin_and_the_beams_pick(B, n, k, width):
 
 def test_the_level_pick_breaks_ties_by_row_then_candidate():
     """The kernel and its twin (the CPU beam's pick) alike."""
-    from sgl_longgen.core.longspec import best_of_rows as torch_best_of_rows
+    from sgl_longgen.core.longspec_beam import best_of_rows as torch_best_of_rows
     from sgl_longgen.kernels.longspec_topk import best_of_rows
 
     top = torch.full((1, 3, 2), -1.0, device=DEVICE)
@@ -195,7 +195,7 @@ def random_beam(B, widths, seed, ties=True):
 def test_the_cut_is_its_twin(B, widths, n):
     """The kept nodes, their order, renumbered parents, depths, scores and flags: exactly the
     PyTorch cut's (two stable sorts, a scatter and gathers) on trees full of equal scores."""
-    from sgl_longgen.core.longspec import beam_rows, select_nodes_batched
+    from sgl_longgen.core.longspec_beam import beam_rows, select_nodes_batched
 
     scores, tokens, parents, depths = random_beam(B, widths, seed=B * 100 + n)
     want = beam_rows(*select_nodes_batched(scores, tokens, parents, depths, n))
@@ -207,7 +207,7 @@ def test_the_cut_is_its_twin(B, widths, n):
 def test_the_cut_flags_a_kept_node_whose_parent_was_cut():
     """A node scored above its parent (never in a beam, where scores only fall) is kept while the
     parent is cut: the row's flag is set, as the twin sets it, and the orphan's parent is -1."""
-    from sgl_longgen.core.longspec import beam_rows, select_nodes_batched
+    from sgl_longgen.core.longspec_beam import beam_rows, select_nodes_batched
 
     scores, tokens, parents, depths = random_beam(2, (2, 3, 5), seed=7, ties=False)
     parents[0, -1] = parents.shape[1] - 2
@@ -221,7 +221,7 @@ def test_the_cut_flags_a_kept_node_whose_parent_was_cut():
 def test_a_swapped_tie_is_caught():
     """Two equal scores at the cut's edge: keeping the later node instead of the earlier one (what
     an unstable order could do) changes the rows, so the exact comparison above would see it."""
-    from sgl_longgen.core.longspec import beam_rows, select_nodes_batched
+    from sgl_longgen.core.longspec_beam import beam_rows, select_nodes_batched
 
     scores = torch.tensor([[-1.0, -2.0, -2.0, -3.0]])
     tokens, parents, depths = torch.tensor([[10, 11, 12, 13]]), torch.tensor([[-1, 0, 0, 1]]), torch.tensor([1, 2, 2, 3])

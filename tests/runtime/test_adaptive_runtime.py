@@ -85,13 +85,14 @@ CASES = [
     ("owl", "tiny-random", 1.0, 1024, {}),
     ("owl", "tiny-random", 1.2, 64, {"owl__prefill_spec": False}),
     ("howl", "tiny-qwen2", 1.0, 1024, {}),
+    ("suffix", "tiny-random", 1.2, 64, {}),
 ]
 
 
 @pytest.mark.parametrize("method,name,penalty,window,extra", CASES)
 def test_greedy_output_is_plain_decoding_whatever_the_mix_of_steps(scripted, method, name, penalty, window, extra):
     cfg = adaptive(method, sampling__penalty=penalty, sampling__penalty_window=window, **extra)
-    drafter = owl_drafter(name) if method != "tokenswift" else None
+    drafter = owl_drafter(name) if method in ("owl", "howl") else None
     expected = ar_output(name, penalty, window, NEW_TOKENS)
     accepted = 0
     for mix in MIXES:
@@ -107,7 +108,7 @@ def test_greedy_output_is_plain_decoding_whatever_the_mix_of_steps(scripted, met
 
 
 WIDTH_MIXES = ["2S4", "S8P2", "4P3S8"]
-WIDTH_CASES = [CASES[0], CASES[1], CASES[3], CASES[5]]
+WIDTH_CASES = [CASES[0], CASES[1], CASES[3], CASES[5], CASES[6]]
 
 
 @pytest.mark.parametrize("method,name,penalty,window,extra", WIDTH_CASES)
@@ -117,7 +118,7 @@ def test_greedy_output_is_plain_decoding_at_every_draft_width(monkeypatch, metho
     reports lie inside the cut."""
     cfg = adaptive(method, sampling__penalty=penalty, sampling__penalty_window=window, adaptive__widths=[2, 3, 4, 8],
                    **extra)
-    drafter = owl_drafter(name) if method != "tokenswift" else None
+    drafter = owl_drafter(name) if method in ("owl", "howl") else None
     expected = ar_output(name, penalty, window, NEW_TOKENS)
     narrow_accepted = 0
     for mix in WIDTH_MIXES:
@@ -153,10 +154,10 @@ def test_longspec_beams_cut_to_a_width_stay_lossless(monkeypatch):
     assert sum(len(nodes) - 1 for width, nodes in ctrl.paths if width is not None) > 0
 
 
-@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
+@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl", "suffix"])
 def test_greedy_output_with_the_real_controller_choosing_widths(method):
     name = "tiny-random"
-    drafter = owl_drafter(name) if method != "tokenswift" else None
+    drafter = owl_drafter(name) if method in ("owl", "howl") else None
     dec = build_decoder(model(name), adaptive(method, adaptive__widths=[2, 4, 8]), drafter_dir=drafter)
     result = dec.generate(PROMPT, NEW_TOKENS)
     assert tuple(result.output_ids) == ar_output(name, 1.0, 1024, NEW_TOKENS)
@@ -170,10 +171,10 @@ def test_greedy_output_with_the_real_controller_choosing_widths(method):
     assert wide.generate(PROMPT, 20).error is None and wide.controller.widths == [2]
 
 
-@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
+@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl", "suffix"])
 def test_greedy_output_with_the_real_controller(method):
     name = "tiny-random"
-    drafter = owl_drafter(name) if method != "tokenswift" else None
+    drafter = owl_drafter(name) if method in ("owl", "howl") else None
     result = build_decoder(model(name), adaptive(method), drafter_dir=drafter).generate(PROMPT, NEW_TOKENS)
     assert tuple(result.output_ids) == ar_output(name, 1.0, 1024, NEW_TOKENS)
     assert result.record()["stats"]["plain_steps"] == result.stats.plain_steps
@@ -247,7 +248,7 @@ class StepCostClock:
         return run
 
 
-@pytest.mark.parametrize("method", ["tokenswift", "howl"])
+@pytest.mark.parametrize("method", ["tokenswift", "howl", "suffix"])
 def test_a_loop_starting_mid_run_is_taken_up_on_the_methods_hint(method):
     """Greedy ``tiny-random`` text wanders, then loops. Random heads (a drafter fitted elsewhere)
     accept little at first, so the controller goes plain; once the output loops, the method's hint

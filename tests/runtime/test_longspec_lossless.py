@@ -32,7 +32,8 @@ from scipy.stats import chisquare
 
 from sgl_longgen.config import SamplingConfig
 from sgl_longgen.core.fp8 import Fp8Linear
-from sgl_longgen.core.longspec import WEIGHTS_FILE, LongSpecDrafter, load_drafter
+from sgl_longgen.core.longspec import WEIGHTS_FILE, LongSpecDrafter
+from sgl_longgen.core.longspec_checkpoint import load_drafter
 from sgl_longgen.core.penalty import window_tokens
 from sgl_longgen.core.sampling import LogitsProcessor
 from sgl_longgen.core.verify import Verdict, draw_tree, walk_tree

@@ -155,7 +155,7 @@ def test_the_history_drafts_past_the_head_tree_depth():
     assert with_suffix.accept_length > 5.5
 
 
-@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl"])
+@pytest.mark.parametrize("method", ["tokenswift", "owl", "howl", "suffix"])
 def test_the_token_budget_is_exact(method):
     """Steps that accept several tokens never overrun ``max_new_tokens``, whatever it is."""
     dec = build_decoder(model("tiny-random"), config(method))
@@ -165,7 +165,7 @@ def test_the_token_budget_is_exact(method):
         assert tuple(result.output_ids) == ar_output("tiny-random", 1.0, 1024, n)
 
 
-@pytest.mark.parametrize("method", ["tokenswift", "howl"])
+@pytest.mark.parametrize("method", ["tokenswift", "howl", "suffix"])
 def test_a_prompt_indexed_in_bulk_keeps_the_output_identical(method, monkeypatch):
     """A 1.5K-token prompt: the n-gram pool and the suffix index count it with numpy in one go
     (their packed layers), then grow a step at a time; greedy output is still plain decoding's,

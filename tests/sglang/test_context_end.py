@@ -28,7 +28,7 @@ CONTEXT = 512
 FIT_STEPS = 12
 FIT_TOKENS = 160  # the drafters learn each continuation's last tokens: the near-end requests decode them
 
-ALGORITHMS = ("TOKENSWIFT", "OWL", "HOWL", "LONGSPEC")
+ALGORITHMS = ("TOKENSWIFT", "OWL", "HOWL", "LONGSPEC", "SUFFIX")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,8 @@ def longspec_dir(endings, tmp_path_factory):
 
 
 def draft_dir(request, algorithm: str):
+    if algorithm == "SUFFIX":
+        return None  # no draft model: the near-end requests repeat their own text
     if algorithm == "TOKENSWIFT":
         return heads_path()
     return request.getfixturevalue("longspec_dir" if algorithm == "LONGSPEC" else "owl_dir")
@@ -76,8 +78,9 @@ def draft_dir(request, algorithm: str):
 def test_requests_decode_to_the_end_of_the_context(plain, to_the_end, request, algorithm):
     import sglang as sgl
 
+    draft = draft_dir(request, algorithm)
     engine = sgl.Engine(**engine_args(context_length=CONTEXT, speculative_algorithm=algorithm,
-                                      speculative_draft_model_path=str(draft_dir(request, algorithm))))
+                                      **({} if draft is None else {"speculative_draft_model_path": str(draft)})))
     try:
         width = int(engine.server_args.speculative_num_draft_tokens)
         # SGLang's own rows (context + 4 + width at page size 1) could not hold the reserve here.

@@ -1,4 +1,4 @@
-"""TOKENSWIFT, OWL and HOWL get the ``longgen`` attention backend wherever SGLang would pick FlashInfer."""
+"""Our algorithms get the ``longgen`` attention backend wherever SGLang would pick FlashInfer."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _default_backend(monkeypatch, algorithm, flashinfer=True):
 
 
 def test_tree_methods_get_the_hybrid_verify_backend(monkeypatch):
-    for algorithm in ("TOKENSWIFT", "tokenswift", "OWL", "HOWL"):
+    for algorithm in ("TOKENSWIFT", "tokenswift", "OWL", "HOWL", "LONGSPEC", "SUFFIX"):
         assert _default_backend(monkeypatch, algorithm) == "longgen", algorithm
 
 

@@ -26,18 +26,12 @@ import torch
 from helpers import fit_longspec
 from sglang_harness import PROMPTS, check_budgets, engine_args, greedy, model_path, stop, worker_settings
 
-from sgl_longgen.core.longspec import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    LongSpecDrafter,
-    RingPool,
-    WindowCache,
-    draft_head,
-    expand,
-    expand_batch,
-    load_drafter,
-    rope_tables,
-)
+from sgl_longgen.core.longspec import CONFIG_FILE, WEIGHTS_FILE, LongSpecDrafter
+from sgl_longgen.core.longspec_beam import WindowCache, expand
+from sgl_longgen.core.longspec_checkpoint import load_drafter
+from sgl_longgen.core.longspec_rope import rope_tables
+from sgl_longgen.core.longspec_weights import draft_head
+from sgl_longgen.kernels.longspec_step import RingPool, expand_batch
 from sgl_longgen.runtime import load_model, resolve_model
 from sgl_longgen.runtime.model import ForwardSpec
 from sgl_longgen.sglang.penalty import ContextualPenaltyProcessor
@@ -394,7 +388,7 @@ def test_the_queries_rope_is_sglangs_and_the_runtimes(monkeypatch):
     # runs in a deterministic on-policy mode (it does not).
     monkeypatch.setattr(rope_base, "get_exec", lambda: SimpleNamespace(deterministic=SimpleNamespace(
         rl_on_policy_target=None)))
-    from sgl_longgen.core.longspec import apply_rope
+    from sgl_longgen.core.longspec_rope import apply_rope
     from sgl_longgen.sglang.longspec import TargetRope, target_rotary
 
     cfg = json.loads((model_path() / "config.json").read_text())

@@ -1,7 +1,7 @@
 """Bad requests to every algorithm's engine: each refused at admission, naming what is wrong, and
 the engine keeps serving with its output unchanged.
 
-One engine per algorithm (its drafter as ``tiny-random`` ships it), one table of bad inputs for
+One engine per algorithm (its drafter as ``tiny-random`` ships it; SUFFIX, none), one table of bad inputs for
 all: our ``custom_params`` keys and SGLang's sampling fields of the wrong type, out of range,
 NaN / inf, huge, empty, outside the vocabulary, and malformed token ids. Every one of them gets
 a ``ValueError`` from ``sgl.Engine`` naming the field (a scheduler meeting such a value inside a
@@ -25,6 +25,7 @@ DRAFTERS = {
     "OWL": lambda: model_path() / "owl-drafter",
     "HOWL": lambda: model_path() / "owl-drafter",
     "LONGSPEC": lambda: model_path() / "longspec-drafter",
+    "SUFFIX": lambda: None,  # no draft model
 }
 PROMPT = [256, 100, 101, 102, 103]
 NEW_TOKENS = 5
@@ -79,7 +80,9 @@ BAD = [
 def engine(request):
     import sglang as sgl
 
-    args = engine_args(speculative_algorithm=request.param, speculative_draft_model_path=str(DRAFTERS[request.param]()))
+    draft = DRAFTERS[request.param]()
+    args = engine_args(speculative_algorithm=request.param,
+                       **({} if draft is None else {"speculative_draft_model_path": str(draft)}))
     engine = sgl.Engine(**args)
     yield engine
     stop(engine)

@@ -24,7 +24,9 @@ of plain and speculative ones, decided from measured times, and the law must not
 ``TOKENSWIFT-plain-runs`` turns speculation off per request: tokens 2-4 come from one run of three
 plain steps queued back to back, each fed the token the one before drew on the device.
 ``TOKENSWIFT-width-4`` speculates on every step with each trie cut to its first 4 nodes
-(``longgen_width``, adaptive widths' narrow verify).
+(``longgen_width``, adaptive widths' narrow verify). ``SUFFIX`` shares the finished requests'
+outputs (``[suffix] global_requests``): its trees branch over the continuations the earlier
+requests took, weighted by how often; its requests speculate on every step.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ NEW_TOKENS = 4
 SAMPLING = {"max_new_tokens": NEW_TOKENS, "temperature": 1.5, "top_k": 4, "ignore_eos": True}
 PLAIN_RUNS = 12_000
 RUNS = {"TOKENSWIFT": 4_000, "OWL": 1_500, "HOWL": 1_500, "TOKENSWIFT-adaptive": 1_500, "TOKENSWIFT-plain-runs": 1_500,
-        "TOKENSWIFT-width-4": 1_500}
+        "TOKENSWIFT-width-4": 1_500, "SUFFIX": 1_500}
 # Disjoint seed ranges: the samples must be independent of one another.
 FIRST_SEED = {"plain": 1_000_000, "fit": 2_000_000, "TOKENSWIFT": 0, "OWL": 100_000, "HOWL": 200_000,
-              "TOKENSWIFT-adaptive": 300_000, "TOKENSWIFT-plain-runs": 400_000, "TOKENSWIFT-width-4": 500_000}
+              "TOKENSWIFT-adaptive": 300_000, "TOKENSWIFT-plain-runs": 400_000, "TOKENSWIFT-width-4": 500_000,
+              "SUFFIX": 600_000}
 BATCH = dict(max_running_requests=128, max_total_tokens=32768)
 DRAFT_VOCAB = 48  # HOWL's reduced head, of the tiny model's 258 tokens
 ALPHA = 1e-3
@@ -139,6 +142,14 @@ def speculative(plain_run, target, tmp_path_factory):
                 custom.update(longgen_speculation="on", longgen_width=4)
             with worker_settings(ADAPTIVE="1"), running(**spec_args(**BATCH)) as engine:
                 return sample(engine, RUNS[algorithm], FIRST_SEED[algorithm], custom_params=custom)
+        if algorithm == "SUFFIX":
+            settings = tmp_path_factory.mktemp("suffix")
+            (settings / "longgen.toml").write_text("[suffix]\nglobal_requests = 4096\nmax_spec_factor = 8.0\n"
+                                                   "min_token_prob = 0.0\n")
+            args = engine_args(speculative_algorithm=algorithm, speculative_draft_model_path=str(settings), **BATCH)
+            with running(**args) as engine:
+                return sample(engine, RUNS[algorithm], FIRST_SEED[algorithm],
+                              custom_params={"longgen_speculation": "on"})
         if algorithm == "TOKENSWIFT":
             args = spec_args(**BATCH)
         else:
@@ -220,7 +231,7 @@ def lean_toward_the_draft(samples: np.ndarray, likeliest, rng: np.random.Generat
 
 
 @pytest.mark.parametrize("algorithm", ["TOKENSWIFT", "OWL", "HOWL", "TOKENSWIFT-adaptive", "TOKENSWIFT-plain-runs",
-                                       "TOKENSWIFT-width-4"])
+                                       "TOKENSWIFT-width-4", "SUFFIX"])
 def test_sampled_tokens_follow_the_plain_engines_law(algorithm, plain, speculative, likeliest):
     samples, accept, metas = speculative(algorithm)
     if algorithm.endswith("plain-runs"):

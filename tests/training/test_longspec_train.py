@@ -15,14 +15,10 @@ from safetensors.torch import load_file
 
 from sgl_longgen.cli import build_parser, main
 from sgl_longgen.commands.generate import resolve_config
-from sgl_longgen.core.longspec import (
-    LongSpecDrafter,
-    WindowCache,
-    expand,
-    load_drafter,
-    rope_tables,
-    target_settings,
-)
+from sgl_longgen.core.longspec import LongSpecDrafter
+from sgl_longgen.core.longspec_beam import WindowCache, expand
+from sgl_longgen.core.longspec_checkpoint import load_drafter, target_settings
+from sgl_longgen.core.longspec_rope import rope_tables
 from sgl_longgen.runtime import load_model, resolve_model
 from sgl_longgen.runtime.model import ForwardSpec
 from sgl_longgen.training.draft_vocab import frequent_tokens, map_coverage
