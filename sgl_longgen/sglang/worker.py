@@ -83,7 +83,7 @@ logger = logging.getLogger(__name__)
 FAULT_ENV = env.name("INJECT_DRAFT_FAULT")
 DRAFTING_FAILED = "drafting failed"
 # Plain steps queued back to back in one call (at most the verify width: a step's KV window).
-# The scheduler's and the host's time per call (1-3 ms) is spread over this many tokens. A plain
+# The scheduler's and the host's time per call is spread over this many tokens. A plain
 # step that only measures (or refreshes) the plain cost between speculative steps stays one token
 # (its controllers allow one: AdaptiveSteps.plain_run_limit); a stretch where nothing pays runs
 # PLAIN_RUN at a time, up to the next due probe. Runs grow again from one token, doubling with each
@@ -141,6 +141,23 @@ def drafter_for(algorithm: str, env: WorkerEnv) -> Drafter:
 
         return SuffixDrafter(env)
     raise ValueError(f"no drafter for speculative algorithm {algorithm!r}")
+
+
+def committed_hidden_rows(hidden: torch.Tensor, paths: list[list[int]], stride: int) -> torch.Tensor:
+    """The hidden rows of the committed tokens where SGLang reads them: request ``b``'s ``j``-th
+    token at row ``b * stride + j``, taken from the row that drew it (``paths[b][j]``: the root,
+    then each accepted node, as :class:`~sgl_longgen.core.verify.Verdict` lists them), as a decode
+    step returns the row of the position whose logits gave its token. ``hidden``: ``[bs * rows, d]``
+    or ``[bs, rows, d]`` in the step's node order."""
+    bs = len(paths)
+    flat = hidden.reshape(bs, -1, hidden.shape[-1])
+    rows = flat.shape[1]
+    src = [b * rows + node for b, path in enumerate(paths) for node in path]
+    dst = [b * stride + j for b, path in enumerate(paths) for j in range(len(path))]
+    out = flat.new_zeros(bs * stride, flat.shape[-1])
+    index = lambda ids: torch.tensor(ids, dtype=torch.int64, device=flat.device)
+    out[index(dst)] = flat.reshape(bs * rows, -1)[index(src)]
+    return out
 
 
 class SpecWorker(BaseSpecWorker):
@@ -345,7 +362,8 @@ class SpecWorker(BaseSpecWorker):
                 append_step_values(step.req, report, len(verdict.tokens))
         clock.section("observe")
 
-        result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)
+        result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish,
+                               launched.result.logits_output.hidden_states)
         if speculate and ahead and self._spec_ahead_ok(batch, steps, verdicts):
             self._queue_spec_ahead(batch, steps, verdicts, result.new_seq_lens)
         clock.phase("overhead")
@@ -498,7 +516,7 @@ class SpecWorker(BaseSpecWorker):
             step.req.spec_verify_ct += k - 1
             step.req.spec_num_correct_drafts -= k - 1
         clock.section("observe")
-        result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish)
+        result = self._publish(batch, seq_lens, steps, drafts, verdicts, drawn, launched, on_publish, hidden)
         clock.phase("overhead")
         clock.finish({s.rid: k for s in steps})
         return result
@@ -619,8 +637,11 @@ class SpecWorker(BaseSpecWorker):
                 state.method = None
 
     def _publish(self, batch, seq_lens, steps, drafts, verdicts, drawn, launched: Launched,
-                 on_publish) -> GenerationBatchResult:
-        """The committed tokens and their counts to the device in one copy; SGLang's result."""
+                 on_publish, hidden: torch.Tensor | None = None) -> GenerationBatchResult:
+        """The committed tokens and their counts to the device in one copy; SGLang's result.
+        ``hidden``: the step's hidden rows, the same number per request, in draft-node order (a plain
+        run's: one per forward), laid out as SGLang returns them where a request asks
+        (:func:`committed_hidden_rows`)."""
         bs, n = len(steps), self.num_nodes
         host = self.env.staging("result", bs * n + bs, torch.int32)
         packed = host.numpy()
@@ -632,6 +653,9 @@ class SpecWorker(BaseSpecWorker):
         next_token_ids, accept_lens = on_device[: bs * n], on_device[bs * n :]
         new_seq_lens = seq_lens + accept_lens
         logits_output = launched.result.logits_output
+        if hidden is not None and any(getattr(step.req, "return_hidden_states", False) for step in steps):
+            logits_output = replace(
+                logits_output, hidden_states=committed_hidden_rows(hidden, [v.nodes for v in verdicts], n))
         if batch.return_logprob:
             self.verifier.logprobs(batch, logits_output, drafts, drawn, verdicts)
         if on_publish is not None:

@@ -31,6 +31,7 @@ DRAFT_DIRS = {  # each algorithm's drafter, shipped beside the tiny model
     "OWL": "owl-drafter",
     "HOWL": "owl-drafter",
     "LONGSPEC": "longspec-drafter",
+    "SUFFIX": None,  # no drafter: drafts from the request's own text
 }
 ALGORITHMS = tuple(DRAFT_DIRS)
 CONTEXT = 2048
@@ -60,8 +61,9 @@ def server_command(algorithm: str, port: int) -> list[str]:
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
     ]
     if algorithm != PLAIN:
-        cmd += ["--speculative-algorithm", algorithm,
-                "--speculative-draft-model-path", str(model_path() / DRAFT_DIRS[algorithm])]
+        cmd += ["--speculative-algorithm", algorithm]
+        if DRAFT_DIRS[algorithm] is not None:
+            cmd += ["--speculative-draft-model-path", str(model_path() / DRAFT_DIRS[algorithm])]
     return cmd
 
 
