@@ -1,13 +1,13 @@
 """The prefix part of tree verification through FA3's paged kernel (Hopper).
 
 FA3's ``flash_attn_with_kvcache`` is the kernel behind SGLang's default attention backend on
-Hopper. Non-causal over a request's cache, it is exactly the prefix part of the hybrid
-verify: all ``T`` tree rows see the whole committed prefix. It packs the ``T*G`` query rows of
-a KV head onto each KV tile and splits long caches across SMs, so a 64-row verify reads the
-prefix about once (measured at 98K: 1.2x its own decode step, where the Triton prefix kernel
-takes 2.4x). What it cannot do, the tree's ancestor mask, stays with ``tree_attention``; the
-two states merge by LSE. FA3 reports natural-log LSEs; the merge works in base 2, so the
-prefix LSE is converted here, at the boundary.
+Hopper. Non-causal over a request's cache, it is exactly the prefix part of the hybrid verify:
+all ``T`` tree rows see the whole committed prefix. It packs the ``T*G`` query rows of a KV head
+onto each KV tile and splits long caches across SMs, so a 64-row verify reads the prefix about
+once and costs little more than its own decode step (docs/performance.md). What it cannot do,
+the tree's ancestor mask, stays with ``tree_attention``; the two states merge by LSE. FA3
+reports natural-log LSEs; the merge works in base 2, so the prefix LSE is converted here, at the
+boundary.
 
 The prefix is given to FA3 as a page table with one slot per page (SGLang's page size 1),
 built from ``kv_indptr``/``kv_indices`` by :func:`page_table_from_indices`.

@@ -3,8 +3,8 @@
 FlashInfer's tensor-core decode kernel packs the ``G`` query heads of a KV head into MMA rows and
 splits the KV across CTAs, reading each KV tile once per KV head. Presenting the ``T`` draft tokens
 of a request as ``T*G`` query heads of one decode query, ``q'[kvh*(T*G) + t*G + g] = q[t, kvh*G+g]``,
-turns the unmasked prefix half of tree verification into exactly that kernel: measured on an H100
-at 98K context it costs 148-162 us for T = 4..24, against 147 us for an AR decode step.
+turns the unmasked prefix half of tree verification into exactly that kernel, which reads each KV
+tile once per KV head: for small trees the prefix half costs about what an AR decode step does.
 
 Limits (FlashInfer 0.6.15): the folded group ``T*G`` is kept at most 96 rows, the largest measured
 to work (it fails from 128 rows on), the KV dtype must equal the query dtype here, and the split-KV scratch space FlashInfer

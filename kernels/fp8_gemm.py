@@ -14,17 +14,15 @@ the matrix is fp8, read at one byte per entry:
 * with ``f16_dot`` (bf16 activations only; the table's choice), the tile of ``W`` becomes fp16 and
   the product runs in fp16, ``x``'s tile (a quarter of ``W``'s or less) converted instead and clamped
   to fp16's range: exact for bf16 values of magnitude 2^-14 to 65504; beyond, the drafts change,
-  never the verified output. Measured on an H200 (``bench.kernels --mode fp8-gemm --tune``, the
-  LongSpec matrices at 4 and 16 rows): the fp16 product reads e4m3 at up to 2.4 TB/s, the bf16
-  product at up to 2.1 (Hopper converts a pair of e4m3 to fp16 in one instruction, to bf16 in
-  more), 10-20% less time a matrix and 14% off LongSpec's compiled draft step;
+  never the verified output. Hopper converts a pair of e4m3 to fp16 in one instruction, to bf16
+  in more, so the fp16 product reads the matrix faster (figures in docs/performance.md);
 * a row's scale multiplies its float32 sum once, after the K loop (``sum_k q[n, k] x[m, k]`` times
   ``scale[n]``: the same value as dequantizing first, one multiply per output instead of per entry);
 * with ``tma`` (the table's choice up to 16 rows of ``x`` on compute capability 9.0+, for a
   16-byte aligned matrix), each tile of ``W`` is one tensor-memory-accelerator copy from a
   descriptor of the matrix (rows past ``N`` and columns past ``K`` read as zeros) instead of
-  per-entry addresses and masks, the same sums in the same order: on an H200, 13-30% less time
-  a matrix at 16 rows than the address reads, 15% off LongSpec's compiled draft step;
+  per-entry addresses and masks, the same sums in the same order, and faster than the address
+  reads at these row counts (docs/performance.md);
 * with few row blocks (a 4096-row matrix is 64 blocks for 132 SMs) K is split: each split writes
   float32 partial sums to a workspace and :func:`_split_sum_kernel` adds them in split order,
   scales and casts (no atomics: the same bits on every call).
@@ -79,11 +77,9 @@ _TILES = (
 # Up to TMA_ROWS rows of x, where W can be read through a descriptor (tma_possible), the table
 # has tiles of its own, (block_n, block_k, num_warps, num_stages): the wide one where its grid
 # fills the GPU unsplit (the MLP's 28672 rows, the heads), else the narrow one with its K split
-# (the 4096- and 6144-row matrices). Measured on an H200 (LongSpec's matrices at 1, 4 and 16
-# rows, 9 tiles with splits 1-8, each read by addresses and through a descriptor, CUDA graphs of
-# back-to-back calls on more weights than L2 holds): at 16 rows these read e4m3 at 1.7-3.6 TB/s
-# where the address tiles above managed 1.5-2.7, and at every matrix and row count they are the
-# sweep's best or within 5% of it.
+# (the 4096- and 6144-row matrices). Chosen by a sweep of tiles and splits over LongSpec's
+# matrices, each read by addresses and through a descriptor (``bench.kernels --mode fp8-gemm
+# --tune``; figures in docs/performance.md).
 TMA_ROWS = 16
 _TMA_WIDE = (128, 256, 8, 3)
 _TMA_NARROW = (64, 256, 4, 3)

@@ -45,8 +45,8 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
     While ``torch.compile`` traces a step, a GEMM whose K is split returns its splits' partial sums
     and the sum, scale and cast are traced here as plain ops: inductor unrolls a sum of a few
     splits into the kernel that reads the product (a projection's residual add and norm), where
-    eagerly a kernel of the GEMM's own adds them, one launch of some 2 us per split GEMM (25 in a
-    LongSpec step). The same float32 sums in the same order, scaled and rounded once."""
+    eagerly a kernel of the GEMM's own adds them, one launch per split GEMM (25 in a LongSpec
+    step). The same float32 sums in the same order, scaled and rounded once."""
     if uses_fp8_gemm(x, q):
         from . import custom_ops  # one node of a torch.compile'd drafter step
         from .fp8_gemm import inline_sums, partial_splits

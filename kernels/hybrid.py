@@ -57,21 +57,16 @@ DEFAULT_FOLD_WORKSPACE_MB = int(env.get("FOLD_WORKSPACE_MB", "1024"))
 
 SCORED_TRITON_MAX_TREE = 16
 """With selection scores, "auto" takes the Triton prefix path up to this tree size although FA3 is
-there: Triton fuses the scores into its prefix pass (+3-8% of its time), the FA3 and folded paths
-need a separate key-only pass over every prefix key. Measured per layer (H200, graphed, d=128, 2
-score rows): at T=16 Triton with scores took 26/61/131 us at 4K/32K/98K against FA3's 34/110/262
-with 32/8 heads (28/4: 35/57/124 against 34/95/222); at T=64 FA3 stayed ahead (339 against 426 us
-at 98K)."""
+there: Triton fuses the scores into its prefix pass, the FA3 and folded paths need a separate
+key-only pass over every prefix key. At 64 rows FA3 stays ahead all the same; the threshold is
+where the per-layer measurements crossed (docs/performance.md)."""
 
 ONE_ROW_TRITON_MAX_TREE = 1
 """Up to this tree size (one row per request) the "auto" rule takes the Triton path, with or
-without a cascade. Measured per layer (H200, graphed, L2 flushed, d=128): without a cascade Triton
-took 22.3 us against FA3's 23.7 at 4K with 32/8 heads, 20.0 against 21.8 at 4K and 37.5 against
-41.2 at 32K with 28/4, 73.2 against 75.6 at 98K with 28/4; FA3 was ahead only at 98K with 32/8, by
-4% (118.5 against 123.2), within the 5% a path may trail. A cascade of 8 requests sharing a 32K
-prompt: Triton's took 62 us against FA3's 72 (one KV range for the whole batch's rows over the
-shared slots, merged in the same pass as the own parts, against FA3's two launches and a separate
-merge); at T=4 FA3's was ahead (78 against 88)."""
+without a cascade. Measured per layer (docs/performance.md): without a cascade Triton was as fast
+as FA3 or faster, and trailed it only within the 5% a path may trail; with a cascade Triton reads
+the shared slots as one KV range for the whole batch's rows, merged in the same pass as the own
+parts, against FA3's two launches and a separate merge; at four rows FA3's cascade was ahead."""
 
 
 class HybridTreeAttention:

@@ -2,15 +2,15 @@
 
 A beam level needs, per frontier row, its ``k`` best next tokens and their log-probabilities
 (:func:`sgl_longgen.core.longspec_beam.best_children` then keeps the best ``width`` of the level). In
-PyTorch that is a vocabulary-wide ``log_softmax`` (one block per row: 16 rows leave an H100
-mostly idle) and ``torch.topk`` (for 16 rows of 32K-128K logits, its multi-block radix select:
-some ten launches of digit counts and scans per call), about 60-90 us a level on an H100. Here:
+PyTorch that is a vocabulary-wide ``log_softmax`` (one block per row: a few rows leave most of
+the GPU idle) and ``torch.topk`` (for 16 rows of 32K-128K logits, its multi-block radix select:
+some ten launches of digit counts and scans per call): a level's cost is latency and launches,
+not bytes. Here:
 
 Every selection orders by one int64 key an element (:func:`_order_key`: the value's bits, then
 the index), so picking the next best is one max reduction where comparing values and then
-indices took two (on an H200 16 rows' top 16 of 32K logits 16.3 -> 13.7 us, the level's pick
-6.0 -> 4.8), and on a GPU the ``k`` best come from Triton's bitonic top-k over those keys
-(:func:`_best_keys`; 13.3 -> 13.1 us and 4.3 -> 3.1).
+indices takes two, and on a GPU the ``k`` best come from Triton's bitonic top-k over those keys
+(:func:`_best_keys`): a data-parallel network instead of ``k`` reductions in turn.
 
 1. one program per (row, chunk of ``CHUNK_LOGITS`` logits): the chunk's max and sum of exponentials (the
    row's log-sum-exp in parts) and its ``k`` best logits (value descending, vocabulary index
@@ -19,14 +19,13 @@ indices took two (on an H200 16 rows' top 16 of 32K logits 16.3 -> 13.7 us, the 
    the chunks' candidates by the same order, as ``logit - lse``;
 3. (:func:`best_of_rows`) one program per request: the level's ``width`` best of its rows'
    candidates, each scored ``parent + logp``, by the same selection (where
-   ``torch.topk`` of 256 candidates took a sort and a gather, some 11 us a level on an H200);
+   ``torch.topk`` of 256 candidates takes a sort and a gather);
 4. (:func:`cut_beam`) one program per request, once a step: the tree's ``n`` best nodes (a stable
    descending order: equal scores, the earlier node first) in creation order, their parents
-   renumbered, written as the two rows the host reads (where PyTorch took two sorts, a scatter,
-   gathers and a concatenation, eight launches and some 18 us at the end of a compiled step on an
-   H200). The nodes' keys sorted give the last one kept, a kept node's place is a prefix sum and
-   its parent's new index a gather (3.1 us on an H200, where ranking every node against every
-   other took 7.2).
+   renumbered, written as the two rows the host reads (where PyTorch takes two sorts, a scatter,
+   gathers and a concatenation: eight launches at the end of a compiled step). The nodes' keys
+   sorted give the last one kept, a kept node's place is a prefix sum and its parent's new index a
+   gather (sorting the keys was measured faster than ranking every node against every other).
 
 A logit in a row's top ``k`` is in its chunk's top ``k`` (under one total order, a chunk holds
 no more better elements than the whole row), so the result is exact: the row's top ``k`` with
@@ -46,16 +45,17 @@ from .triton_common import interpreting, next_pow2
 
 MAX_K = 64  # selections are unrolled: wider top-ks go through torch.topk
 # Launch settings: a selection is a chain of reductions, so a program's latency, not the bytes,
-# sets each kernel's time. Swept on an H200 at 32K logits and 1-16 rows (chunks of 1K-4K, 1-4
-# warps a kernel): 2K chunks at 4 warps (fewer warps spill: 1 warp took 27 us where 4 took 11),
-# the merge and the level's pick at 1 warp (no barrier in their reductions), the cut at 4.
+# sets each kernel's time. Chosen by a sweep (chunks of 1K-4K logits, 1-4 warps a kernel; figures
+# in docs/performance.md): 2K chunks at 4 warps (fewer warps spill), the merge and the level's pick
+# at 1 warp (no barrier in their reductions), the cut at 4.
 CHUNK_LOGITS = 2048
 CHUNK_WARPS = 4
 MERGE_WARPS = 1
 PICK_WARPS = 1
 CUT_WARPS = 4
 # The interpreter pays per operation, not per program: whole rows, and K max reductions where a GPU
-# runs the bitonic network (which takes the interpreter some 250x longer at 16K logits).
+# runs the bitonic network (whose many small compare-exchange steps the interpreter pays one
+# by one).
 INTERPRETER_CHUNK = 16384
 INTERPRETER_BITONIC = False
 
@@ -90,7 +90,7 @@ def _from_key(key):
 def _best_keys(key, K: tl.constexpr, BITONIC: tl.constexpr):
     """The ``K`` largest of the keys ``key`` (a power-of-two block), largest first. ``BITONIC`` (on a
     GPU): Triton's bitonic top-k (sorted runs of ``K``, then halving by pairwise max, every step a
-    data-parallel compare-exchange; on an H200 the level's pick of 16 rows 4.3 -> 3.1 us); else ``K``
+    data-parallel compare-exchange); else ``K``
     max reductions in turn, each picked key struck out. The keys are distinct, so both give the one
     order."""
     if BITONIC:

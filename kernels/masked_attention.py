@@ -3,13 +3,10 @@ the tree half of hybrid attention).
 
 Each LongSpec drafter step attends ``T`` (1 to 16) query rows per request over the ``S`` (some 512 to 575)
 keys of its ring window and draft tree, under a boolean mask. ``F.scaled_dot_product_attention``
-(cudnn on an H200) costs some 17 us a call for 16 rows in LongSpec's graphed step, work this
-small being all setup and latency, plus kernels to expand and convert the mask. Here it is one
-launch reading the ``bool`` mask as it is. Its tiles are what a sweep on an H200 found fastest
-(CUDA graphs of 20 back-to-back calls, 32 query and 8 KV heads of 128, bf16; 54 tile, warp and
-stage settings): 16 rows a program (more programs, each a short serial walk: 64 rows, four times
-fewer programs, took 51 us a call at 16 rows against 12), 128 keys a tile, three stages. There
-T = 1, 4, 16 took 8.3, 12.4, 12.3 us a call, SDPA 13.0, 23.1, 35.1.
+spends a call this small on setup and latency, plus kernels to expand and convert the mask. Here
+it is one launch reading the ``bool`` mask as it is. Its tiles are what a sweep of tile, warp and
+stage settings found fastest (figures in docs/performance.md): 16 rows a program (more programs,
+each a short serial walk, beat fewer programs with longer walks), 128 keys a tile, three stages.
 
 The verify's tree half (:mod:`.tree_attention`: each draft token over the tree's tokens under
 the ancestor mask) is the same computation on views of its token-major operands, with tiles of its
@@ -65,9 +62,9 @@ def key_tiles(device: torch.device, block_d: int, itemsize: int) -> tuple[int, i
 
 
 MAX_NEW_ROWS = 64  # masked_attention_into's new rows, held as one tile
-# masked_attention_into's programs a block of rows over the ring (one a 128-key tile of 512): on an
-# H200 a 16-row level 15.4 us with 1, 13.9 with 2, 12.2 with 4; the LongSpec step at 4K 0.994 ->
-# 0.980 ms (1 -> 4; 2: 0.989)
+# masked_attention_into's programs a block of rows over the ring (one a 128-key tile of 512): more
+# programs share a level's walk over the ring; four was the fastest split measured
+# (docs/performance.md)
 RING_SPLITS = 4
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 goes through the twin
 
@@ -306,8 +303,9 @@ def masked_attention_into(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     (so ``T`` is at most :data:`MAX_NEW_ROWS`), which one program per KV head writes to the buffer:
     no program reads a column another writes. The three walks, rather than one whose tiles pick
     each column's source, keep one load an operand a pipeline stage: picking per column (a pointer
-    chosen by column, the new rows stored from the tile) took 37 us a call at 16 rows on an H200,
-    the three walks 15, the split kernels' one walk 12 plus the launches this one saves.
+    chosen by column, the new rows stored from the tile) was measured far slower than the three
+    walks, and the three walks about as fast as the unfused kernel's one walk plus the
+    launches this one saves (docs/performance.md).
 
     ``ring_splits`` (default :data:`RING_SPLITS`, at most one a key tile of the ring): the ring's
     columns cut among that many programs a block of rows, the last of them also walking the tree

@@ -3,7 +3,7 @@
 :func:`sgl_longgen.core.owl.expand` is a few hundred small PyTorch ops (the LSTM cell's norms
 and activations, a log-softmax and top-k per level, the frontier's bookkeeping, the final
 selection). At batch 1 on an 8B-sized drafter that is launch-bound: even as one CUDA graph the
-beam cost 1.5-2.7 ms, while its weights take ~0.25 ms to read. Here each level is
+beam took several times what reading its weights takes (docs/performance.md). Here each level is
 
 1. ``pre = proj(state)`` (cuBLAS; with ``weights = "fp8"`` the fp8 GEMM of :mod:`.fp8_linear`),
 2. :func:`_lstm_cell_kernel`: token embedding, gates, both norms and GELUs, one program per row;

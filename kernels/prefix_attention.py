@@ -3,7 +3,7 @@
 Verifying a draft tree of ``T`` tokens at long context is bound by reading the prefix KV, the same
 bytes an AR decode step reads. SGLang's masked prefill reads it once per query tile and FlashInfer's
 non-causal prefill does not split the KV for few queries, so both leave most of the GPU idle
-(see ``README.md``, "Kernels"). Here every program owns one (request, KV head, KV chunk) and
+(see ``docs/kernels.md``). Here every program owns one (request, KV head, KV chunk) and
 computes **all** ``T*G`` query rows of that KV head against the chunk on tensor cores: the rows of
 the ``G`` query heads sharing the KV head are folded into the row dimension (row ``r`` = draft
 token ``r // G``, query head ``kv_head*G + r % G``), so each K/V tile is fetched from memory once.
@@ -446,8 +446,8 @@ def prefix_attention(
     # 16-bit inputs: the partial outputs in their dtype (the LSEs stay float32). That halves what each
     # split writes and the merge reads (at 4K and 16 rows, 8.6 MB of float32 against the prefix's
     # 16.8 MB of K/V) at one more rounding of each split's normalised output, in the precision the
-    # output is delivered in: the LongSpec drafter's cross-attention, on an H200 its step at 4K
-    # 0.970 -> 0.966 ms. The verify path (hybrid.py) keeps float32 partials: they feed the target.
+    # output is delivered in: the LongSpec drafter's cross-attention. The verify path (hybrid.py)
+    # keeps float32 partials: they feed the target.
     part_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
     part_o = torch.empty(num_tokens, num_q_heads, config.num_splits, head_dim, dtype=part_dtype, device=q.device)
     part_lse = torch.empty(num_tokens, num_q_heads, config.num_splits, dtype=torch.float32, device=q.device)

@@ -1,8 +1,8 @@
 """Replaying a fixed-shape tensor function as a CUDA graph.
 
 Small drafters (OWL's LSTM beam: 8 steps of a few GEMVs, top-k and gathers) are bound by kernel
-launches, not by the GPU: ~100 launches cost ~10 ms of Python at batch 1 for well under a
-millisecond of work. Any function whose tensors keep their shapes and that never reads values
+launches, not by the GPU: at batch 1 a hundred launches cost far more Python time than the
+work they launch. Any function whose tensors keep their shapes and that never reads values
 back to the host can be captured once per input signature and replayed.
 """
 

@@ -8,8 +8,8 @@ what differs in a serving engine:
   and measured as the step's whole cycle: from one decode call to the next, so the scheduler's
   own time between steps counts for both kinds alike. A prefill in between drops the sample, and
   so does a speculative step in which a request takes one of its first ``SETTLE`` (its first
-  drafts set up its method: TOKENSWIFT scores the whole context to select its partial KV, half
-  a second at 98K on an H100, once per request and selection, not the price of a step). The
+  drafts set up its method: TOKENSWIFT scores the whole context to select its partial KV, a cost
+  paid once per request and selection, not the price of a step). The
   cycle of a step in which a request drafts for the first time is kept apart instead
   (``StepCosts.first``): the price of a new request's first probe.
 * **One kind per step.** :func:`~sgl_longgen.core.adaptive.decide_batch` combines the requests'

@@ -2,7 +2,7 @@
 
 SGLang captures graphs of speculative algorithms only at their verify width, so our draft decode
 (one root token per request over an explicit ``kv_indices`` list) ran eagerly: at batch 1 an
-8B model's 32 layers spend ~20 ms in Python and kernel launches for ~6 ms of GPU work. This
+8B model's 32 layers spend several times longer in Python and kernel launches than in GPU work. This
 runner captures that same model forward once per batch size, with the attention backend's own
 graph-mode decode wrappers (``init_forward_metadata_out_graph``), and replays it after
 re-planning the wrappers with the step's indices (and copying those indices into the buffers the

@@ -205,8 +205,8 @@ def kernel_attention(k_buffer: torch.Tensor, v_buffer: torch.Tensor, indptr: tor
 class GraphedBeam:
     """A batch's step (``fn``: :func:`~sgl_longgen.kernels.longspec_step.expand_rings` over fixed-shape
     inputs: the steady ring feed and the beam) replayed as one CUDA graph per batch size: the eager
-    step is some hundred small kernel launches and host work per level (23 ms for one request on
-    an H100, at 4K as at 98K).
+    step is some hundred small kernel launches and host work per level, its time set by launches,
+    not by the context.
 
     A batch size's first replay is checked against the eager beam on the same inputs (the same
     kernels run, so the first output, :func:`~sgl_longgen.core.longspec_beam.beam_rows`'s tokens,

@@ -1,13 +1,13 @@
 """The next call's first plain step, queued before this call returns.
 
 Our workers are synchronous: between two calls the GPU waits while the host reads the step back
-and observes it, SGLang's scheduler processes the results and schedules the next batch (about
-2-3 ms per call on an H100 host, against plain decoding whose overlapped scheduler hides that
-time). In a stretch of plain steps the next call's first token needs nothing the host learns in
-between: its forward reads the KV this call committed and the token this call drew last, and its
-draw uses the request's generator. So the worker queues that forward and its draw right behind
-its run of plain steps (:meth:`SpecWorker._plain_run`), on a stream of its own on a GPU, and the
-device computes it while the host and the scheduler do their part.
+and observes it, SGLang's scheduler processes the results and schedules the next batch (time
+that plain decoding's overlapped scheduler hides). In a stretch of plain steps the next call's
+first token needs nothing the host learns in between: its forward reads the KV this call
+committed and the token this call drew last, and its draw uses the request's generator. So the
+worker queues that forward and its draw right behind its run of plain steps
+(:meth:`SpecWorker._plain_run`), on a stream of its own on a GPU, and the device computes it
+while the host and the scheduler do their part.
 
 The next call takes it only if its batch is the one it was made for (rid, request slot and
 committed length per request, :func:`~.pipeline.batch_key`) and that call is a run of plain
@@ -22,10 +22,8 @@ slot, the verify buffers or the graphs' inputs while it runs.
 
 A device without streams (the CPU engine of the tests) computes it in place, before the call
 returns: no time saved, the same bookkeeping. So it is on by default on GPUs and off on CPUs;
-``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` / ``0`` turns it on / off on either. Measured on an H100
-(8B shape, sampled requests whose drafts never pay, every step plain): TOKENSWIFT at 4K from 6.92
-to 6.69 ms/token against plain decoding's 6.68; four requests at 32K from 0.97x to 0.99x plain
-decoding's tokens/s (the numbers are in ``sgl_longgen.bench.adaptive_check``'s report).
+``SGLANG_LONGGEN_PLAIN_RUN_AHEAD=1`` / ``0`` turns it on / off on either. What it saves is
+measured by ``sgl_longgen.bench.adaptive_check`` (figures in docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The next speculative step's draft and verify forward, queued before this call returns.
 
 Our workers are synchronous: after a speculative step the host publishes its results and SGLang's
-scheduler processes them and schedules the next batch (2-3 ms per step on an H100 host) while the
-GPU waits, and only then does the next call draft and queue its verify. Where the next step is
-planned speculative (:meth:`~.adaptive.AdaptiveSteps.plan`) its draft needs nothing the scheduler
-adds: the method's state after this step's commit, the KV just committed and the tokens the host
-has walked. So the worker drafts it and queues its verify forward at the end of this call, on a
-stream of its own on a GPU (:meth:`SpecWorker._queue_spec_ahead`), and the verify computes while
-the host and the scheduler do their part. Its draws, walk and commit stay in the next call: they
-use the requests' generators and SGLang's processing of the batch as that call finds them, in the
-same order as without the run-ahead, so what the next step commits is what it would have
-committed (greedy or sampled, token for token for a given generator state).
+scheduler processes them and schedules the next batch while the GPU waits, and only then does the
+next call draft and queue its verify. Where the next step is planned speculative
+(:meth:`~.adaptive.AdaptiveSteps.plan`) its draft needs nothing the scheduler adds: the method's
+state after this step's commit, the KV just committed and the tokens the host has walked. So the
+worker drafts it and queues its verify forward at the end of this call, on a stream of its own on
+a GPU (:meth:`SpecWorker._queue_spec_ahead`), and the verify computes while the host and the
+scheduler do their part. Its draws, walk and commit stay in the next call: they use the requests'
+generators and SGLang's processing of the batch as that call finds them, in the same order as
+without the run-ahead, so what the next step commits is what it would have committed (greedy or
+sampled, token for token for a given generator state).
 
 The drafter's ``after_verify`` runs right behind the queued verify, as it does behind any verify
 (OWL clears its [SPEC] rows there, on the same stream, so no later forward sees them). The next

@@ -216,8 +216,8 @@ class TokenSwiftDrafter(Drafter):
 
         From the draft's end to the verify's launch the GPU waits for exactly this host work. Run
         cold, after SGLang's scheduler has been through its own data between steps, the same
-        Python takes 3-4 times as long as warm (one trie: 180 us cold, 50 us rehearsed, 38 us in
-        a loop, on a CPU host); here the host is waiting for the draft forward anyway.
+        Python takes several times as long as warm (figures in docs/performance.md); here the host
+        is waiting for the draft forward anyway.
         """
         last = self._last_candidates
         if last is not None and len(last[0]) == len(steps):

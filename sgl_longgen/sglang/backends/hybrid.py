@@ -1,13 +1,13 @@
 """SGLang attention backend ``longgen``: FlashInfer everywhere, hybrid tree attention for verify.
 
 SGLang's FlashInfer backend verifies a draft tree with one masked prefill over prefix + tree,
-which re-reads the long prefix for every query tile: 3.9x an AR decode step for a 64-token tree
-at 98K context on an H100. This backend is SGLang 0.5.17's ``FlashInferAttnBackend`` with two
+which re-reads the long prefix for every query tile: at long context a 64-token tree costs
+several AR decode steps. This backend is SGLang 0.5.17's ``FlashInferAttnBackend`` with two
 changes: TARGET_VERIFY batches go through :class:`~sgl_longgen.kernels.hybrid.HybridTreeAttention`
 (prefix read once, tree mask on the tree block only, exact LSE merge), and on Hopper a plain
 prefill (``EXTEND`` without speculative input) goes through SGLang's own FA3 backend, the one its
-plain servers use there (a speculative server's time to first token is then a plain server's:
-FlashInfer's paged prefill over 98K tokens took 8.8 s on an H100 where FA3's took 6.4).
+plain servers use there (a speculative server's time to first token is then a plain server's,
+where FlashInfer's paged prefill is slower).
 Decode, draft decodes with custom ``kv_indices`` and every other mode are the parent's, unchanged.
 
 The hybrid path relies on what every SGLang tree verifier provides: each request has ``N`` draft
@@ -115,10 +115,10 @@ GRAPH_CASCADE_MAX_TREE = 16
 """The widest verify whose captured graphs (of two or more requests) include the cascade's shared
 part when ``CASCADE_MIN_SHARED`` is set. A graph holds one launch sequence, so such a graph runs
 the shared part at every replay, over no slots when its batch shares nothing (about two small
-launches per layer). Measured per layer in graphs (H100, 8 requests on a 32K prompt): at 1 and 4
-rows the batch's attention took 1.1-1.4x one request's with the cascade, about 3x without; at 16
-rows FA3's path (the one Hopper takes) gained (155 against 193 us) and Triton's lost (247 against
-214); at 64 rows the attention is arithmetic-bound and neither gained.
+launches per layer). Measured per layer in graphs (docs/performance.md): the cascade gains most
+at 1 and 4 rows, where a batch's attention is bound by reading the shared prefix; at 16 rows FA3's
+path (the one Hopper takes) still gained and Triton's lost; at 64 rows the attention is
+arithmetic-bound and neither gained.
 """
 
 
