@@ -28,7 +28,9 @@ from ..config import AdaptiveConfig, GenerateConfig
 from ..core.adaptive import PLAIN, AdaptiveController
 from ..core.penalty import window_tokens
 from ..core.sampling import LogitsProcessor
+from ..core.verify import Verdict, verify_tree
 from ..errors import LonggenError
+from ..methods import Draft
 from .checkpoint import LoadedModel
 from .model import ForwardSpec
 
@@ -135,6 +137,26 @@ class Decoder(ABC):
         self.length += 1
         self.after_plain_step(h, tok)
         return [tok]
+
+    def verify(self, draft: Draft) -> Verdict:
+        """One target forward over the draft's trie (the full KV, the ancestor mask); one draw per
+        node and the walk decide what is committed (:func:`~sgl_longgen.core.verify.verify_tree`);
+        the accepted rows' KV is compacted in place."""
+        dev = self.model.device
+        tree = draft.tree
+        L = self.length
+        self.cache.ensure(L + len(tree))
+        spec = ForwardSpec(start=L, mask=tree.ancestor_mask(dev))
+        h = self.model(tree.token_tensor(dev), tree.positions(L, dev), self.cache, spec)
+        verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
+        self.cache.keep(L, verdict.nodes)
+        self.length = L + len(verdict.nodes)
+        self.step_nodes = verdict.nodes
+        s = self.stats
+        s.accepted += verdict.accepted
+        s.verify_tokens += len(tree)
+        s.drafted += draft.depth
+        return verdict
 
     def hint(self) -> float | None:
         """Draft tokens the next step's draft is expected to get accepted, judged from the

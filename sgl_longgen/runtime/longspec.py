@@ -24,13 +24,11 @@ from ..core.longspec import LongSpecDrafter
 from ..core.longspec_beam import WindowCache, expand, verify_width
 from ..core.longspec_checkpoint import target_settings
 from ..core.longspec_weights import draft_head, quantize_fp8
-from ..core.verify import Verdict, verify_tree
 from ..errors import LonggenError
 from ..kernels import fp8_linear  # noqa: F401 (installs the fp8 GEMM of the device for the drafter's fp8 matrices)
-from ..methods import Draft, LongSpec
+from ..methods import LongSpec
 from .checkpoint import LoadedModel
 from .decoder import Decoder
-from .model import ForwardSpec
 
 RID = 0  # one request at a time
 
@@ -65,24 +63,6 @@ class LongSpecDecoder(Decoder):
     def after_prefill(self) -> None:
         self.ring.reset()
         self.state = self.method.start(RID, self.history)
-
-    def verify(self, draft: Draft) -> Verdict:
-        """One target forward over the trie; commits the walk's result."""
-        dev = self.model.device
-        tree = draft.tree
-        L = self.length
-        self.cache.ensure(L + len(tree))
-        spec = ForwardSpec(start=L, mask=tree.ancestor_mask(dev))
-        h = self.model(tree.token_tensor(dev), tree.positions(L, dev), self.cache, spec)
-        verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
-        self.cache.keep(L, verdict.nodes)
-        self.length = L + len(verdict.nodes)
-        self.step_nodes = verdict.nodes
-        s = self.stats
-        s.accepted += verdict.accepted
-        s.verify_tokens += len(tree)
-        s.drafted += draft.depth
-        return verdict
 
     def step(self) -> list[int]:
         t = time.perf_counter()

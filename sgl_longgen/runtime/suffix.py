@@ -12,11 +12,9 @@ from __future__ import annotations
 import time
 
 from ..config import GenerateConfig
-from ..core.verify import verify_tree
 from ..methods import Suffix, SuffixState
 from .checkpoint import LoadedModel
 from .decoder import Decoder, GenerationResult, ProgressFn
-from .model import ForwardSpec
 
 RID = 0  # one request at a time: the method keys its running requests by it
 
@@ -45,24 +43,10 @@ class SuffixDecoder(Decoder):
         return self.method.history_hint(self.state, self.history, self.full_nodes)
 
     def step(self) -> list[int]:
-        dev = self.model.device
         t = time.perf_counter()
         draft = self.method.propose(self.state, self.history, self.full_nodes, self.max_nodes)
-        tree = draft.tree
         t_draft = time.perf_counter()
-        L = self.length
-        self.cache.ensure(L + len(tree))
-        spec = ForwardSpec(start=L, mask=tree.ancestor_mask(dev))
-        h = self.model(tree.token_tensor(dev), tree.positions(L, dev), self.cache, spec)
-        verdict = verify_tree(tree, self.model.logits(h), self.processor, self.history, self.generator)
-        self.cache.keep(L, verdict.nodes)
-        self.length = L + len(verdict.nodes)
-        self.step_nodes = verdict.nodes
-
-        s = self.stats
-        s.accepted += verdict.accepted
-        s.drafted += draft.depth
-        s.verify_tokens += len(tree)
-        s.draft_seconds += t_draft - t
-        s.verify_seconds += time.perf_counter() - t_draft
+        verdict = self.verify(draft)
+        self.stats.draft_seconds += t_draft - t
+        self.stats.verify_seconds += time.perf_counter() - t_draft
         return verdict.tokens
