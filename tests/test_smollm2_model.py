@@ -187,7 +187,7 @@ def test_every_method_decodes_what_plain_decoding_does(cli, model_dir, tmp_path)
     outputs = {}
     for method in ["ar", *(m for m in METHODS if m != "ar")]:
         out = tmp_path / f"{method}.jsonl"
-        res = cli("generate", "--model", "smollm2", "--method", method, "--temperature", "0", "--max-new-tokens", "96",
+        res = cli("generate", "--model", "smollm2", "--method", method, "--temperature", "0", "--max-new-tokens", "64",
                   "--prompt-file", str(prompts), "--out", str(out))
         assert res.returncode == 0, res.stderr
         outputs[method] = [json.loads(line)["output_ids"] for line in out.read_text().splitlines()]

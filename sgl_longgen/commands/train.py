@@ -1,5 +1,5 @@
 """``sgl-longgen train``: train drafters and models (``train lm``, ``train heads``, ``train proxy``,
-``train owl``, ``train longspec``).
+``train owl``, ``train longspec``) and make their self-distilled text (``train distill``).
 
 Each trainer is one entry of ``TRAINERS``: a function that adds its sub-parser. Settings layer
 like ``generate``'s: the trainer's typed defaults < ``--config FILE.toml`` < flags.
@@ -256,7 +256,48 @@ def _run_longspec(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAINERS = (_add_lm, _add_heads, _add_proxy, _add_owl, _add_longspec)
+# ----------------------------------------------------------------------------------------------
+# train distill
+
+
+def _add_distill(tsub) -> None:
+    p = tsub.add_parser("distill", help="training text: built-in real prompts answered by the model itself (JSONL "
+                                        "for --data), or an evaluation set rendered for --prompt-file")
+    p.add_argument("--model", required=True, help=f"the model: embedded ({', '.join(embedded_names())}) or a directory")
+    p.add_argument("--out", type=Path, required=True, help="JSONL to write (and OUT.json: what made it)")
+    p.add_argument("--prompts", type=Path, help="JSONL prompts ({'id', 'prompt'|'messages'}) instead of the built-in ones")
+    p.add_argument("--exclude", type=Path, nargs="+", default=[], metavar="JSONL",
+                   help="evaluation sets the prompts must not overlap (same format as --prompts)")
+    p.add_argument("--render", type=Path, metavar="JSONL",
+                   help="only render this prompt set ({'id', 'prompt'|'messages'}) into OUT as "
+                        "{'id', 'prompt', 'input_ids'} lines for generate/eval --prompt-file")
+    p.add_argument("--chat", type=int, default=480, help="built-in chat prompts (default 480)")
+    p.add_argument("--code", type=int, default=480, help="built-in code prompts (default 480)")
+    p.add_argument("--prose", type=int, default=240, help="built-in prose prompts (default 240)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--batch-size", type=int, default=64, help="answers generated at once (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    p.set_defaults(run=_run_distill)
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    from ..training.distill import distill, render_prompt_file
+
+    if args.render is not None:
+        n = render_prompt_file(args.model, args.render, args.out)
+        print(f"{n} prompts rendered into {args.out}")
+        return 0
+    summary = distill(args.model, args.out, args.prompts, args.exclude, args.chat, args.code, args.prose,
+                      args.max_new_tokens, args.temperature, args.top_p, args.batch_size, args.seed, args.device,
+                      command=command_line(args, ("train", "distill")))
+    print(json.dumps(summary))
+    return 0
+
+
+TRAINERS = (_add_lm, _add_heads, _add_proxy, _add_owl, _add_longspec, _add_distill)
 
 
 def add_parser(sub) -> None:
