@@ -52,9 +52,12 @@ def test_greedy_tokenswift_equals_plain_decoding(name, penalty, window, extra):
     assert result.accept_length > 1.3
 
 
-def test_tokenswift_kv_cache_equals_a_fresh_prefill_of_its_output():
+@pytest.mark.parametrize(("method", "settings"), [("tokenswift", {"tokenswift__partial_kv__budget": 40}),
+                                                  ("suffix", {})])
+def test_kv_cache_equals_a_fresh_prefill_of_its_output(method, settings):
+    """After a generation, the cache the verifies compacted holds what a prefill of the output writes."""
     lm = model("tiny-random")
-    dec = build_decoder(lm, config("tokenswift", tokenswift__partial_kv__budget=40))
+    dec = build_decoder(lm, config(method, **settings))
     dec.generate(PROMPT, 120)
     seq = dec.history[: dec.length]
     cache = lm.model.new_cache(len(seq))

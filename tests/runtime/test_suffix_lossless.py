@@ -19,7 +19,6 @@ from scipy.stats import chisquare
 
 from sgl_longgen.config import load_generate_config
 from sgl_longgen.runtime import SuffixDecoder, build_decoder
-from sgl_longgen.runtime.model import ForwardSpec
 
 from runtime_oracle import PROMPT, ar_output, config, model
 
@@ -53,17 +52,6 @@ def test_other_prompts_with_suffixs_defaults(prompt):
     result = dec.generate(PROMPTS[prompt], NEW_TOKENS)
     assert result.output_ids == plain("tiny", PROMPTS[prompt], NEW_TOKENS)
     assert dec.controller is not None and result.stats.steps - result.stats.plain_steps > 0
-
-
-def test_suffix_kv_cache_equals_a_fresh_prefill_of_its_output():
-    lm = model("tiny-random")
-    dec = build_decoder(lm, config("suffix"))
-    dec.generate(PROMPT, 120)
-    seq = dec.history[: dec.length]
-    cache = lm.model.new_cache(len(seq))
-    lm.model(torch.tensor(seq), torch.arange(len(seq)), cache, ForwardSpec(start=0))
-    assert torch.allclose(dec.cache.k[:, :, : len(seq)], cache.k, atol=1e-10)
-    assert torch.allclose(dec.cache.v[:, :, : len(seq)], cache.v, atol=1e-10)
 
 
 def test_a_second_generation_drafts_from_the_first_ones_output():
