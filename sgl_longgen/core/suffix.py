@@ -161,6 +161,27 @@ class MatchGroup(NamedTuple):
         return self.members[-1][0]
 
 
+def continuations(seq: np.ndarray, pos: np.ndarray, path, own: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The occurrences among ``pos`` (ascending end positions of a pattern in ``seq``) that have a
+    next token, and that token. ``own``: the pattern ends ``seq`` and ``path`` continues it (the
+    tokens drafted so far): positions past the history read ``path``, and the draft's own
+    occurrence, at ``len(seq) + len(path)``, has none."""
+    n = seq.shape[0]
+    inside = int(np.searchsorted(pos, n))
+    if own and inside < pos.size:
+        pos = pos[pos < n + len(path)]
+        nxt = np.empty(pos.size, dtype=np.int64)
+        nxt[:inside] = seq[pos[:inside]]
+        nxt[inside:] = np.asarray(path, dtype=np.int64)[pos[inside:] - n]
+    else:
+        pos = pos[:inside]
+        nxt = seq[pos]
+    keep = nxt != SENTINEL
+    if not keep.all():
+        pos, nxt = pos[keep], nxt[keep]
+    return pos, nxt
+
+
 class SuffixIndex:
     """Occurrence index over one or more token sequences (see the module docstring)."""
 
@@ -329,7 +350,6 @@ class SuffixIndex:
         continues it: an occurrence that reaches the end reads the tokens drafted so far.
         """
         seq = self._seq.view()
-        n = seq.shape[0]
         draft = SuffixDraft()
         count = ends.size
         prob = 1.0
@@ -338,18 +358,7 @@ class SuffixIndex:
         while len(draft.tokens) < budget:
             # Positions ascend: the ones past the history are the last few (own walks only). The
             # draft's own occurrence sits at the token being drafted, n + len, and drops out.
-            inside = int(np.searchsorted(cur, n))
-            if own and inside < cur.size:
-                pos = cur[cur < n + len(draft.tokens)]
-                nxt = np.empty(pos.size, dtype=np.int64)
-                nxt[:inside] = seq[pos[:inside]]
-                nxt[inside:] = drafted[pos[inside:] - n]
-            else:
-                pos = cur[:inside]
-                nxt = seq[pos]
-            keep = nxt != SENTINEL
-            if not keep.all():
-                pos, nxt = pos[keep], nxt[keep]
+            pos, nxt = continuations(seq, cur, drafted[: len(draft.tokens)], own)
             if nxt.size == 0:
                 break
             first = nxt[0]

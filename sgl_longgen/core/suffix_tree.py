@@ -37,7 +37,7 @@ from itertools import accumulate
 import numpy as np
 
 from ..config import SuffixConfig
-from .suffix import SENTINEL, SuffixIndex
+from .suffix import SuffixIndex, continuations
 from .tree import DraftTree, Source
 
 
@@ -76,26 +76,6 @@ class SuffixTree:
         return tree
 
 
-def _continuations(seq: np.ndarray, pos: np.ndarray, path: Sequence[int], own: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The occurrences among ``pos`` (ascending end positions of a node's pattern) that have a
-    next token, and that token. ``own``: positions past the history read the node's ``path``
-    (the draft as history); the draft's own occurrence, at ``n + len(path)``, has none."""
-    n = seq.shape[0]
-    inside = int(np.searchsorted(pos, n))
-    if own and inside < pos.size:
-        pos = pos[pos < n + len(path)]
-        nxt = np.empty(pos.size, dtype=np.int64)
-        nxt[:inside] = seq[pos[:inside]]
-        nxt[inside:] = np.asarray(path, dtype=np.int64)[pos[inside:] - n]
-    else:
-        pos = pos[:inside]
-        nxt = seq[pos]
-    keep = nxt != SENTINEL
-    if not keep.all():
-        pos, nxt = pos[keep], nxt[keep]
-    return pos, nxt
-
-
 def _children(pos: np.ndarray, nxt: np.ndarray, room: int) -> list[tuple[int, int, int, np.ndarray]]:
     """The tokens that followed: ``(token, count, latest position, the positions after it)``,
     the ``room`` most frequent (ties: the latest seen first)."""
@@ -127,7 +107,7 @@ def expand(index: SuffixIndex, ends: np.ndarray, budget: int, min_token_prob: fl
     def offer(parent: int, pos: np.ndarray, prob: float) -> None:
         room = budget - len(tree.tokens)
         total = pos.size  # the node's occurrences, also those with no next token (they end the history)
-        pos, nxt = _continuations(seq, pos, paths[parent] if parent >= 0 else [], own)
+        pos, nxt = continuations(seq, pos, paths[parent] if parent >= 0 else [], own)
         for tok, count, latest, after in _children(pos, nxt, room):
             p = prob * count / total
             if p < min_token_prob:
